@@ -1,0 +1,81 @@
+"""One dispatch point for the eviction hot path.
+
+A *backend* provides three operations with the exact semantics of
+:mod:`qfilters_mlx.reference` (same tie-break, same dtypes):
+
+* ``projection_scores(keys [B,H,T,D], filters [H,D] f32, sign) -> [B,H,T] f32``
+* ``select_compact(scores [B,H,T] f32, keys, values, budget, n_sink, recent)
+  -> (kept [B,H,K] int32 ascending, keys [B,H,K,D], values [B,H,K,Dv])`` with
+  ``K = min(budget, T)``.
+
+Backends: ``"reference"`` (pure MLX, always available), ``"cpp"`` (the compiled
+extension ``qfilters_mlx._ext``), ``"metal"`` (Metal kernels). ``"auto"`` picks
+metal when the default device is a Metal GPU, else cpp when the extension
+imports, else reference. Importing this module compiles and loads nothing; a
+backend is resolved only when :func:`get_backend` is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from . import reference
+
+BACKENDS = ("auto", "reference", "cpp", "metal")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The operations of one backend (see the module docstring for shapes)."""
+
+    name: str
+    projection_scores: Callable[[mx.array, mx.array, int], mx.array]
+    select_compact: Callable[..., tuple[mx.array, mx.array, mx.array]]
+
+
+def _reference_select_compact(scores, keys, values, budget, n_sink, recent):
+    kept = reference.select_keep(scores, budget, n_sink, recent)
+    k, v = reference.compact(keys, values, kept)
+    return kept, k, v
+
+
+REFERENCE = Backend("reference", reference.projection_scores, _reference_select_compact)
+
+
+def _cpp_backend() -> Backend | None:
+    try:
+        from . import _ext  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return Backend("cpp", _ext.projection_scores, _ext.select_compact)
+
+
+def _metal_available() -> bool:
+    return mx.metal.is_available() and mx.default_device() == mx.gpu
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """Resolve a backend by name.
+
+    Raises:
+        ValueError: unknown name, or the requested backend is not available here
+            (the message names what is missing).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "reference":
+        return REFERENCE
+    if name == "metal":
+        raise ValueError("backend='metal' is not available: the Metal kernels are not built yet")
+    cpp = _cpp_backend()
+    if name == "cpp":
+        if cpp is None:
+            raise ValueError(
+                "backend='cpp' is not available: the compiled extension qfilters_mlx._ext "
+                "is not installed (reinstall the package with `pip install .`)"
+            )
+        return cpp
+    return cpp if cpp is not None else REFERENCE

@@ -1,0 +1,206 @@
+"""Pure-MLX reference for Q-Filters scoring, selection and compaction.
+
+This module is the test oracle for the compiled kernels and the run-time fallback
+when no kernel backend is available. It imports only ``mlx`` and shares no code
+with the kernels it checks. Every function works on whole arrays: there is no
+Python loop over tokens, heads or batch rows.
+
+Shapes follow mlx-lm: keys and values are ``[B, H_kv, T, D]``.
+
+Conventions (the kernels must match them exactly):
+
+* **Filter orientation** (:func:`estimate_filter_from_keys`): the singular
+  vector is flipped so that the keys' mean projection onto it is positive; if
+  that mean is exactly zero, so that its largest-magnitude component is
+  positive (first such component on a tie).
+* **Tie-break** (:func:`select_keep`): a higher score wins; among equal scores the
+  *earlier* position wins. NaN scores rank below every other value (NaN keys are
+  never kept in preference to a finite one).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+__all__ = [
+    "estimate_filter_from_keys",
+    "projection_scores",
+    "l2norm_scores",
+    "select_keep",
+    "compact",
+]
+
+
+def _check_ndim(name: str, x: mx.array, ndim: int) -> None:
+    if not isinstance(x, mx.array):
+        raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+
+
+def estimate_filter_from_keys(keys: mx.array) -> mx.array:
+    """Top right-singular vector of the uncentred keys of each KV head.
+
+    Godey et al. 2025 (arXiv:2503.02812), Sec. 3: the Q-Filter of a head is the
+    dominant singular direction of its (query/key) sample; here the key sample
+    stands in for the queries (the "key-SVD" source). Batch rows are pooled:
+    head ``h`` uses the ``B * T`` rows ``keys[:, h]``.
+
+    Args:
+        keys: ``[B, H, T, D]``, any float dtype; computed in float32.
+
+    Returns:
+        ``[H, D]`` float32 unit vectors, oriented so that the keys' mean
+        projection is positive (largest-magnitude component positive if the
+        mean is exactly zero).
+
+    Raises:
+        TypeError, ValueError: ``keys`` is not a 4-D array or has ``B * T == 0``.
+    """
+    _check_ndim("keys", keys, 4)
+    B, H, T, D = keys.shape
+    if B * T == 0:
+        raise ValueError("keys must hold at least one token (B * T > 0)")
+    x = keys.astype(mx.float32).transpose(1, 0, 2, 3).reshape(H, B * T, D)
+    # SVD is implemented on the CPU stream only.
+    _, _, vt = mx.linalg.svd(x, stream=mx.cpu)
+    u = vt[:, 0, :]
+    u = u / mx.linalg.norm(u, axis=-1, keepdims=True)
+    mean_proj = (x @ u[:, :, None]).squeeze(-1).mean(axis=-1)  # [H]
+    peak = mx.take_along_axis(u, mx.argmax(mx.abs(u), axis=-1)[:, None], axis=-1)[:, 0]
+    flip = mx.where(mean_proj != 0, mean_proj < 0, peak < 0)
+    return mx.where(flip[:, None], -u, u)
+
+
+def projection_scores(keys: mx.array, filters: mx.array, sign: int = 1) -> mx.array:
+    """Q-Filters score of each key: ``sign * <k, u_h>`` (paper Sec. 3, Eq. for the
+    projection score), accumulated in float32 whatever the key dtype.
+
+    Args:
+        keys: ``[B, H, T, D]`` float32, float16 or bfloat16.
+        filters: ``[H, D]`` (converted to float32).
+        sign: ``+1`` or ``-1``.
+
+    Returns:
+        ``[B, H, T]`` float32 scores (finite for finite float16 keys even when the
+        dot product exceeds the float16 range).
+
+    Raises:
+        TypeError, ValueError: wrong ranks, mismatched ``H``/``D``, bad ``sign``.
+    """
+    _check_ndim("keys", keys, 4)
+    _check_ndim("filters", filters, 2)
+    if tuple(filters.shape) != (keys.shape[1], keys.shape[3]):
+        raise ValueError(
+            f"filters must have shape [H, D] = {(keys.shape[1], keys.shape[3])}, "
+            f"got {tuple(filters.shape)}"
+        )
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    f = filters.astype(mx.float32)[None, :, :, None]  # [1, H, D, 1]
+    s = (keys.astype(mx.float32) @ f).squeeze(-1)
+    return s if sign == 1 else -s
+
+
+def l2norm_scores(keys: mx.array) -> mx.array:
+    """L2Norm score ``-||k||_2`` in float32 (Devoto et al. 2024): low-norm keys are kept.
+
+    Args:
+        keys: ``[B, H, T, D]``.
+
+    Returns:
+        ``[B, H, T]`` float32.
+    """
+    _check_ndim("keys", keys, 4)
+    return -mx.sqrt(mx.square(keys.astype(mx.float32)).sum(axis=-1))
+
+
+def _rank_key(scores: mx.array) -> mx.array:
+    """A uint64 key whose ascending order is (score ascending, position descending).
+
+    The float32 score is mapped to an order-preserving uint32 (negative values
+    are bit-inverted, positive ones get the sign bit set) and placed in the
+    high word; the low word holds ``0xFFFFFFFF - position``, so among equal
+    scores the earlier position has the larger key. NaN maps to the smallest key.
+    """
+    T = scores.shape[-1]
+    s = scores.astype(mx.float32)
+    s = mx.where(mx.isnan(s), -mx.inf, mx.where(s == 0, 0.0, s))  # -0.0 ties +0.0
+    bits = mx.view(s, mx.uint32)
+    neg = (bits >> 31) == 1
+    ordered = mx.where(neg, ~bits, bits | mx.array(0x80000000, mx.uint32))
+    pos = mx.arange(T, dtype=mx.uint32)
+    low = mx.array(0xFFFFFFFF, mx.uint32) - pos
+    return (ordered.astype(mx.uint64) << 32) | low.astype(mx.uint64)
+
+
+def select_keep(scores: mx.array, budget: int, n_sink: int = 0, recent: int = 0) -> mx.array:
+    """Positions kept by sink/recent-masked top-k selection.
+
+    The first ``n_sink`` and the last ``recent`` positions are always kept; the
+    remaining ``budget - n_sink - recent`` slots go to the highest scores among
+    the other positions (StreamingLLM's sinks, Xiao et al. 2023, plus the
+    Q-Filters ranking, Godey et al. 2025 Sec. 3). Ties: the earlier position
+    wins; NaN ranks lowest.
+
+    Args:
+        scores: ``[B, H, T]`` float32.
+        budget: tokens kept per (batch row, head); ``>= 1``.
+        n_sink: leading positions always kept; ``>= 0``.
+        recent: trailing positions always kept; ``>= 0``.
+
+    Returns:
+        ``[B, H, min(budget, T)]`` int32 positions, ascending along the last axis.
+        With ``budget >= T`` this is every position.
+
+    Raises:
+        TypeError, ValueError: bad rank or ``budget < 1``, ``n_sink < 0``,
+        ``recent < 0``, ``n_sink + recent > budget``.
+    """
+    _check_ndim("scores", scores, 3)
+    for name, v in (("budget", budget), ("n_sink", n_sink), ("recent", recent)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if n_sink < 0 or recent < 0:
+        raise ValueError(f"n_sink and recent must be >= 0, got {n_sink}, {recent}")
+    if n_sink + recent > budget:
+        raise ValueError(f"n_sink + recent ({n_sink + recent}) must not exceed budget ({budget})")
+    B, H, T = scores.shape
+    if budget >= T:
+        return mx.broadcast_to(mx.arange(T, dtype=mx.int32), (B, H, T))
+    key = _rank_key(scores)
+    pos = mx.arange(T)
+    forced = (pos < n_sink) | (pos >= T - recent)
+    top = (mx.array(0xFFFFFFFF, mx.uint32).astype(mx.uint64) << 32) | 0xFFFFFFFF
+    key = mx.where(forced, top, key)
+    # Partial selection, O(T) per row: the budget-th largest key is the threshold.
+    # Keys are unique outside the forced set, and forced positions (<= budget of
+    # them) all sit at the top, so exactly `budget` keys reach the threshold.
+    thr = mx.partition(key, T - budget, axis=-1)[..., T - budget : T - budget + 1]
+    keep = key >= thr
+    # Scatter kept positions to their rank, giving ascending order without a sort;
+    # dropped positions go to a spare slot that is sliced off.
+    slot = mx.where(keep, mx.cumsum(keep.astype(mx.int32), axis=-1) - 1, budget)
+    out = mx.zeros((B, H, budget + 1), dtype=mx.int32)
+    src = mx.broadcast_to(pos.astype(mx.int32), (B, H, T))
+    out = mx.put_along_axis(out, slot, src, axis=-1)
+    return out[..., :budget]
+
+
+def compact(keys: mx.array, values: mx.array, kept: mx.array) -> tuple[mx.array, mx.array]:
+    """Gather the kept rows of keys and values (bit-exact copies).
+
+    Args:
+        keys: ``[B, H, T, D_k]``; values: ``[B, H, T, D_v]``.
+        kept: ``[B, H, K]`` integer positions in ``[0, T)``.
+
+    Returns:
+        ``([B, H, K, D_k], [B, H, K, D_v])`` in the dtypes of the inputs.
+    """
+    _check_ndim("keys", keys, 4)
+    _check_ndim("values", values, 4)
+    _check_ndim("kept", kept, 3)
+    idx = kept[..., None]
+    return mx.take_along_axis(keys, idx, axis=2), mx.take_along_axis(values, idx, axis=2)
