@@ -1,0 +1,75 @@
+"""``KVCacheBuilder``: one eviction cache per plain-attention layer of an mlx-lm model."""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import KVCache
+
+from .cache import QFiltersKVCache
+from .config import KVCacheConfig
+
+
+def model_head_dim(model) -> int:
+    """Key head dimension of an mlx-lm model.
+
+    Uses ``model.args.head_dim`` when present, else ``hidden_size // num_attention_heads``.
+
+    Raises:
+        ValueError: the model exposes neither.
+    """
+    args = getattr(model, "args", None)
+    hd = getattr(args, "head_dim", None)
+    if hd:
+        return int(hd)
+    hidden = getattr(args, "hidden_size", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if hidden and heads:
+        return int(hidden) // int(heads)
+    raise ValueError("cannot infer head_dim: model.args has neither head_dim nor hidden_size/num_attention_heads")
+
+
+def default_caches(model) -> list:
+    """The caches the model builds for itself (its class's ``make_cache``, else ``KVCache`` per layer).
+
+    The class method is used so that an instance attribute ``model.make_cache``
+    set by a previous ``for_model`` call is not picked up.
+    """
+    make = getattr(type(model), "make_cache", None)
+    if make is not None:
+        return list(make(model))
+    return [KVCache() for _ in model.layers]
+
+
+class KVCacheBuilder:
+    """Builds eviction caches for a model (see :meth:`for_model`)."""
+
+    @staticmethod
+    def for_model(model, config: KVCacheConfig) -> list:
+        """One :class:`QFiltersKVCache` per plain-attention layer.
+
+        Layers whose default cache is not mlx-lm's plain ``KVCache`` (sliding
+        window, SSM, ...) keep the model's own cache. Use as
+        ``model.make_cache = lambda *_a, **_k: caches``.
+
+        Args:
+            model: an mlx-lm model (``model.layers``, ``model.args``).
+            config: the eviction configuration; ``head_dim=None`` takes the model's.
+
+        Returns:
+            A list with one cache per layer.
+
+        Raises:
+            TypeError: ``config`` is not a ``KVCacheConfig``.
+            ValueError: ``config.head_dim`` does not match the model's head_dim, or
+                the configured backend is unavailable.
+        """
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        hd = model_head_dim(model)
+        if config.head_dim is None:
+            config = config.with_head_dim(hd)
+        elif config.head_dim != hd:
+            raise ValueError(f"config.head_dim={config.head_dim} does not match the model's head_dim={hd}")
+        return [
+            QFiltersKVCache(config, layer_idx=i) if type(c) is KVCache else c
+            for i, c in enumerate(default_caches(model))
+        ]

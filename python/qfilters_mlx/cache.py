@@ -1,0 +1,346 @@
+"""``QFiltersKVCache``: a fixed-budget eviction cache implementing mlx-lm's cache protocol.
+
+Data flow of one ``update_and_fetch(keys, values)`` call (DESIGN.md):
+
+1. validate (before touching state);
+2. if the Q-Filter does not exist yet and ``tokens_seen + L >= calib_tokens``,
+   estimate it from exactly the first ``calib_tokens`` keys ever seen, freeze
+   it, and score every stored token;
+3. score the new tokens once (``sign * <k, u>``, float32); scores never change;
+4. return ``stored ++ new``: every token of this call is visible to this call's
+   queries;
+5. then evict down to ``budget`` per (batch row, KV head): the first ``n_sink``
+   and last ``recent`` positions are kept, the rest by highest score (ties:
+   earlier position), temporal order preserved;
+6. ``offset += L`` (absolute RoPE position, never the stored length).
+
+Because the filter comes from a fixed set of keys and selection is a pure
+function of (scores, number of tokens fed), the kept set does not depend on how
+the input was chunked.
+
+Cost per decode step once full (per layer): scoring ``B * H_kv * D``
+multiply-adds; selection ``O(budget)`` per (row, head) through partial
+selection (no sort of the kept set); data movement: appending the new row
+(the buffer grows in 256-token steps, or one copy of the kept rows when the
+buffer is full) plus one gather of the ``budget`` kept rows
+(``2 * B * budget * H_kv * D * itemsize`` bytes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from . import reference
+from .config import KVCacheConfig
+from .kernels import get_backend
+from .scorers import insertion_scores
+
+FILTER_BYTES_PER_ELEMENT = 4  # filters are float32
+
+
+class QFiltersKVCache(_BaseCache):
+    """Eviction KV cache for one attention layer.
+
+    Args:
+        config: a validated :class:`KVCacheConfig` (``method`` selects the scorer).
+        layer_idx: index of the layer (seeds the ``random`` arm).
+
+    Attributes:
+        offset: absolute number of tokens fed (the RoPE position of the next token).
+        filter: ``[H_kv, D]`` float32 Q-Filter once calibrated, else ``None``.
+        keys, values: ``[B, H_kv, capacity, D]`` buffers; rows ``[0, size())`` are live.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`KVCacheConfig`.
+        ValueError: the configured backend is not available.
+    """
+
+    step = 256
+
+    def __init__(self, config: KVCacheConfig, layer_idx: int = 0):
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.layer_idx = int(layer_idx)
+        self.backend = get_backend(config.qfilters_backend)
+        self.keys = None
+        self.values = None
+        self.scores = None  # [B, H, capacity] float32; meaningful once scoring is ready
+        self.positions = None  # [B, H, capacity] int32 absolute positions
+        self.filter = None
+        self.offset = 0
+        self._n = 0  # live rows
+        self.evicted = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def _needs_filter(self) -> bool:
+        return self.method == "qfilters"
+
+    @property
+    def scoring_ready(self) -> bool:
+        """Whether new tokens can be scored (the filter exists, or none is needed)."""
+        return not self._needs_filter or self.filter is not None
+
+    def _validate(self, keys, values) -> None:
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, mx.array):
+                raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")
+            if x.ndim != 4:
+                raise ValueError(f"{name} must be [B, H_kv, L, D], got shape {tuple(x.shape)}")
+            if not mx.issubdtype(x.dtype, mx.floating):
+                raise TypeError(f"{name} must be a floating dtype, got {x.dtype}")
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"keys and values must agree on [B, H_kv, L], got {tuple(keys.shape)} "
+                f"and {tuple(values.shape)}"
+            )
+        if keys.dtype != values.dtype:
+            raise TypeError(f"keys and values must share a dtype, got {keys.dtype} and {values.dtype}")
+        if keys.shape[2] == 0:
+            raise ValueError("keys must hold at least one token (L >= 1)")
+        hd = self.config.head_dim
+        if hd is not None and keys.shape[3] != hd:
+            raise ValueError(f"keys head_dim {keys.shape[3]} does not match config.head_dim {hd}")
+        if self.keys is not None:
+            B, H, _, D = self.keys.shape
+            if (keys.shape[0], keys.shape[1], keys.shape[3]) != (B, H, D):
+                raise ValueError(
+                    f"keys [B, H_kv, L, D] = {tuple(keys.shape)} do not match the cache "
+                    f"(B={B}, H_kv={H}, D={D})"
+                )
+            if values.shape[3] != self.values.shape[3]:
+                raise ValueError(
+                    f"values head_dim {values.shape[3]} does not match the cache "
+                    f"({self.values.shape[3]})"
+                )
+            if keys.dtype != self.keys.dtype:
+                raise TypeError(f"keys dtype {keys.dtype} does not match the cache ({self.keys.dtype})")
+
+    def _append(self, keys, values) -> None:
+        """Write the new rows after the live ones, growing buffers in ``step`` blocks."""
+        B, H, L, _ = keys.shape
+        n = self._n
+        pos = (self.offset + mx.arange(L, dtype=mx.int32))[None, None, :]
+        pos = mx.broadcast_to(pos, (B, H, L))
+        if self.evicted and n + L > self.keys.shape[2]:
+            # Steady state after eviction: exactly the rows needed, one copy of
+            # the kept rows (the next eviction gathers them again anyway).
+            cat = lambda buf, new: mx.concatenate([buf[:, :, :n], new], axis=2)  # noqa: E731
+            self.keys, self.values = cat(self.keys, keys), cat(self.values, values)
+            self.positions = cat(self.positions, pos)
+            self.scores = cat(self.scores, self._score(keys, pos))
+            self._n = n + L
+            return
+        if self.keys is None or n + L > self.keys.shape[2]:
+            cap = self.step * math.ceil((n + L) / self.step)
+
+            def grow(buf, new_shape, dtype):
+                fresh = mx.zeros(new_shape, dtype)
+                if buf is None or n == 0:
+                    return fresh
+                return mx.concatenate([buf[:, :, :n], fresh[:, :, n:]], axis=2)
+
+            self.keys = grow(self.keys, (B, H, cap, keys.shape[3]), keys.dtype)
+            self.values = grow(self.values, (B, H, cap, values.shape[3]), values.dtype)
+            self.scores = grow(self.scores, (B, H, cap), mx.float32)
+            self.positions = grow(self.positions, (B, H, cap), mx.int32)
+        self.keys[:, :, n : n + L] = keys
+        self.values[:, :, n : n + L] = values
+        self.positions[:, :, n : n + L] = pos
+        if self.scoring_ready:
+            self.scores[:, :, n : n + L] = self._score(keys, pos)
+        self._n = n + L
+
+    def _score(self, keys, positions):
+        c = self.config
+        return insertion_scores(
+            c.method, keys, positions, filters=self.filter, sign=c.qfilters_sign,
+            seed=c.qfilters_seed, layer=self.layer_idx, backend=self.backend,
+        )
+
+    def _calibrate(self) -> None:
+        """Freeze the filter from exactly the first ``calib_tokens`` keys; score all live rows.
+
+        Called only before any eviction, when rows ``[0, calib_tokens)`` are the
+        first ``calib_tokens`` tokens ever fed.
+        """
+        c = self.config.qfilters_calib_tokens
+        self.filter = reference.estimate_filter_from_keys(self.keys[:, :, :c])
+        n = self._n
+        self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
+
+    def _evict(self) -> None:
+        c = self.config
+        n = self._n
+        kept, k, v = self.backend.select_compact(
+            self.scores[:, :, :n], self.keys[:, :, :n], self.values[:, :, :n],
+            c.qfilters_budget, c.qfilters_n_sink, c.protected_recent,
+        )
+        self.scores = mx.take_along_axis(self.scores[:, :, :n], kept, axis=2)
+        self.positions = mx.take_along_axis(self.positions[:, :, :n], kept, axis=2)
+        self.keys, self.values = k, v
+        self._n = kept.shape[2]
+        self.evicted = True
+
+    # ------------------------------------------------------------ cache protocol
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Insert ``L`` new tokens and return the keys/values this call attends to.
+
+        Args:
+            keys, values: ``[B, H_kv, L, D]`` (RoPE already applied to keys at
+                positions ``offset .. offset + L - 1``).
+
+        Returns:
+            ``(keys, values)``: ``[B, H_kv, S + L, D]`` where ``S = size()`` before
+            the call; the last ``L`` rows are this call's tokens.
+
+        Raises:
+            TypeError, ValueError: bad rank, dtype, shape change, ``L == 0``;
+            raised before any state changes.
+        """
+        self._validate(keys, values)
+        L = keys.shape[2]
+        self._append(keys, values)
+        self.offset += L
+        if not self.scoring_ready and self.offset >= self.config.qfilters_calib_tokens:
+            self._calibrate()
+        n = self._n
+        out = self.keys[:, :, :n], self.values[:, :, :n]
+        if self.method != "full" and self.scoring_ready and n > self.config.qfilters_budget:
+            self._evict()
+        return out
+
+    def size(self) -> int:
+        """Number of tokens stored per (batch row, KV head)."""
+        return self._n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        n = self._n
+        arrays = [self.keys[:, :, :n], self.values[:, :, :n], self.scores[:, :, :n],
+                  self.positions[:, :, :n]]
+        if self.filter is not None:
+            arrays.append(self.filter)
+        return arrays
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.scores, self.positions = v[:4]
+        self.filter = v[4] if len(v) > 4 else None
+        self._n = self.keys.shape[2]
+
+    def is_trimmable(self) -> bool:
+        """True until the first eviction (after it, removed tokens cannot be restored)."""
+        return not self.evicted
+
+    def trim(self, n: int) -> int:
+        """Remove the newest ``n`` tokens (before any eviction only).
+
+        Returns the number removed (0 after an eviction; never negative). If the
+        trim reaches back into the calibration keys, the filter is dropped and
+        re-estimated once ``calib_tokens`` tokens are present again.
+        """
+        if self.evicted:
+            return 0
+        n = max(0, min(int(n), self._n))
+        self._n -= n
+        self.offset -= n
+        if self._needs_filter and self.offset < self.config.qfilters_calib_tokens:
+            self.filter = None
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Attention mask for ``N`` new queries over the ``size() + N`` keys returned next.
+
+        Stored tokens all precede the new ones, so the causal mask is
+        bottom-right aligned: ``"causal"`` (or ``None`` for ``N == 1``), or a
+        boolean ``[N, size() + N]`` array when ``return_array``. With
+        ``window_size`` the mask is built from absolute positions, which is
+        possible while every head stores the same positions (before any
+        eviction, and always for ``streaming_llm``/``full``).
+
+        Raises:
+            ValueError: ``window_size`` after a per-head eviction.
+        """
+        S = self._n
+        if window_size is None:
+            if N == 1:
+                return None
+            return create_causal_mask(N, S) if return_array else "causal"
+        if not self.evicted:
+            return create_causal_mask(N, S, window_size=window_size)
+        if self.method not in ("streaming_llm", "full"):
+            raise ValueError(
+                "window_size masks are not supported after per-head eviction "
+                f"(method={self.method!r}); use the model's own cache for sliding-window layers"
+            )
+        q = self.offset + mx.arange(N)[:, None]
+        k = mx.concatenate([self.positions[0, 0, :S], self.offset + mx.arange(N)])[None]
+        return (k <= q) & (k > q - window_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the cache holds (buffers at capacity, scores, positions, filter)."""
+        arrays = [self.keys, self.values, self.scores, self.positions, self.filter]
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    # --------------------------------------------------------- byte accounting
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens fed so far (equals ``offset``)."""
+        return self.offset
+
+    @property
+    def tokens_kept(self) -> int:
+        """Tokens stored per (batch row, KV head)."""
+        return self._n
+
+    def _kv_bytes(self, tokens: int) -> int:
+        if self.keys is None:
+            return 0
+        B, H, _, Dk = self.keys.shape
+        Dv = self.values.shape[3]
+        return B * H * tokens * (Dk * self.keys.dtype.size + Dv * self.values.dtype.size)
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """K/V bytes a full cache would hold for ``tokens_seen`` tokens."""
+        return self._kv_bytes(self.offset)
+
+    @property
+    def qfilters_kept_bytes(self) -> int:
+        """Bytes the method needs: kept K/V, their float32 scores (when ranked by
+        score) and the frozen filter in full (``H_kv * D * 4`` bytes)."""
+        if self.keys is None:
+            return 0
+        B, H = self.keys.shape[:2]
+        total = self._kv_bytes(self._n)
+        if self.method in ("qfilters", "l2norm", "random"):
+            total += B * H * self._n * 4
+        if self.filter is not None:
+            total += self.filter.size * FILTER_BYTES_PER_ELEMENT
+        return total
+
+    @property
+    def compression_ratio(self) -> float:
+        """``full_seq_bytes / qfilters_kept_bytes`` (1.0 when empty)."""
+        kept = self.qfilters_kept_bytes
+        return self.full_seq_bytes / kept if kept else 1.0
+
+    def kept_positions(self) -> mx.array:
+        """``[B, H_kv, size()]`` int32 absolute positions of the stored tokens, ascending."""
+        return self.positions[:, :, : self._n]

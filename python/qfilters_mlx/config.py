@@ -1,0 +1,109 @@
+"""Validated configuration of a KV-cache eviction method.
+
+One frozen dataclass, passed down to every cache; never global. All fields are
+checked in ``__post_init__`` so that an invalid configuration fails at
+construction with a ``ValueError`` (or ``TypeError`` for a wrong type) naming
+the field, before any cache exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .kernels import BACKENDS
+
+METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
+"""Eviction methods sharing one engine (see DESIGN.md, "Scorers")."""
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if value is None:
+        raise ValueError(f"{name} must be an int >= {minimum}, got None")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Configuration of the eviction cache (the seed's field names).
+
+    Attributes:
+        method: one of ``"qfilters"``, ``"l2norm"``, ``"streaming_llm"``,
+            ``"random"``, ``"full"``.
+        head_dim: key head dimension ``D``; ``None`` to take it from the model
+            (``KVCacheBuilder.for_model`` checks it against the model either way).
+        qfilters_budget: tokens kept per layer, KV head and batch row after each
+            call (sinks and recent window included). Used by every method but
+            ``full``.
+        qfilters_n_sink: leading positions never evicted (attention sinks).
+        qfilters_recent: trailing positions never evicted. ``streaming_llm``
+            ignores it and keeps the last ``budget - n_sink`` positions.
+        qfilters_calib_tokens: number of keys the online key-SVD filter is
+            estimated from, then frozen; nothing is evicted before that. Only
+            ``method="qfilters"`` uses it.
+        qfilters_sign: ``+1`` keeps keys with large ``<k, u>``, ``-1`` keeps
+            keys with small ``<k, u>``. The key-SVD direction has no intrinsic
+            sign (see README, "Caveats").
+        qfilters_seed: seed of the ``random`` control arm.
+        qfilters_backend: kernel backend, one of ``"auto"``, ``"reference"``,
+            ``"cpp"``, ``"metal"``; resolved when a cache is built.
+
+    Raises:
+        ValueError: budget < 1 or None, n_sink < 0, recent < 0,
+            ``n_sink + recent >= budget``, calib_tokens < 1, sign not +1/-1,
+            unknown method or backend, head_dim < 1.
+        TypeError: a field that must be an int is not one.
+    """
+
+    method: str = "qfilters"
+    head_dim: int | None = None
+    qfilters_budget: int = 512
+    qfilters_n_sink: int = 4
+    qfilters_recent: int = 0
+    qfilters_calib_tokens: int = 128
+    qfilters_sign: int = 1
+    qfilters_seed: int = 0
+    qfilters_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.head_dim is not None:
+            _check_int("head_dim", self.head_dim, 1)
+        _check_int("qfilters_budget", self.qfilters_budget, 1)
+        _check_int("qfilters_n_sink", self.qfilters_n_sink, 0)
+        _check_int("qfilters_recent", self.qfilters_recent, 0)
+        _check_int("qfilters_calib_tokens", self.qfilters_calib_tokens, 1)
+        _check_int("qfilters_seed", self.qfilters_seed, 0)
+        if self.qfilters_n_sink >= self.qfilters_budget:
+            raise ValueError(
+                f"qfilters_n_sink ({self.qfilters_n_sink}) must be smaller than "
+                f"qfilters_budget ({self.qfilters_budget})"
+            )
+        if self.method != "streaming_llm" and (
+            self.qfilters_n_sink + self.qfilters_recent >= self.qfilters_budget
+        ):
+            raise ValueError(
+                f"qfilters_n_sink + qfilters_recent ({self.qfilters_n_sink} + "
+                f"{self.qfilters_recent}) must be smaller than qfilters_budget "
+                f"({self.qfilters_budget}): no slot would be left for scored tokens"
+            )
+        if isinstance(self.qfilters_sign, bool) or self.qfilters_sign not in (1, -1):
+            raise ValueError(f"qfilters_sign must be +1 or -1, got {self.qfilters_sign!r}")
+        if self.qfilters_backend not in BACKENDS:
+            raise ValueError(
+                f"qfilters_backend must be one of {BACKENDS}, got {self.qfilters_backend!r}"
+            )
+
+    @property
+    def protected_recent(self) -> int:
+        """Trailing positions kept unconditionally (``budget - n_sink`` for StreamingLLM)."""
+        if self.method == "streaming_llm":
+            return self.qfilters_budget - self.qfilters_n_sink
+        return self.qfilters_recent
+
+    def with_head_dim(self, head_dim: int) -> "KVCacheConfig":
+        """A copy with ``head_dim`` set (validated)."""
+        return replace(self, head_dim=head_dim)
