@@ -267,8 +267,9 @@ class QFiltersKVCache(_BaseCache):
         """Attention mask for ``N`` new queries over the ``size() + N`` keys returned next.
 
         Stored tokens all precede the new ones, so the causal mask is
-        bottom-right aligned: ``"causal"`` (or ``None`` for ``N == 1``), or a
-        boolean ``[N, size() + N]`` array when ``return_array``. With
+        bottom-right aligned: ``"causal"`` (``None`` for ``N == 1``: nothing to
+        mask), or a boolean ``[N, size() + N]`` array when ``return_array``
+        (also for ``N == 1``). With
         ``window_size`` the mask is built from absolute positions, which is
         possible while every head stores the same positions (before any
         eviction, and always for ``streaming_llm``/``full``).
@@ -278,9 +279,9 @@ class QFiltersKVCache(_BaseCache):
         """
         S = self._n
         if window_size is None:
-            if N == 1:
-                return None
-            return create_causal_mask(N, S) if return_array else "causal"
+            if return_array:
+                return create_causal_mask(N, S)
+            return None if N == 1 else "causal"
         if not self.evicted:
             return create_causal_mask(N, S, window_size=window_size)
         if self.method not in ("streaming_llm", "full"):
