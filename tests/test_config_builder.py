@@ -1,0 +1,130 @@
+"""KVCacheConfig validation and KVCacheBuilder.for_model on tiny random mlx-lm models."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.generate import generate_step
+
+from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(qfilters_budget=8, qfilters_n_sink=4, qfilters_recent=8), "qfilters_n_sink"),
+        (dict(qfilters_budget=8, qfilters_n_sink=4, qfilters_recent=4), "qfilters_n_sink"),
+        (dict(qfilters_budget=0), "qfilters_budget"),
+        (dict(qfilters_budget=None), "qfilters_budget"),
+        (dict(qfilters_recent=-1), "qfilters_recent"),
+        (dict(qfilters_n_sink=-1), "qfilters_n_sink"),
+        (dict(qfilters_budget=8, qfilters_n_sink=9), "qfilters_n_sink"),
+        (dict(qfilters_calib_tokens=0), "qfilters_calib_tokens"),
+        (dict(qfilters_sign=0), "qfilters_sign"),
+        (dict(qfilters_sign=2), "qfilters_sign"),
+        (dict(qfilters_sign=True), "qfilters_sign"),
+        (dict(method="h2o"), "method"),
+        (dict(qfilters_backend="cuda"), "qfilters_backend"),
+        (dict(head_dim=0), "head_dim"),
+    ],
+)
+def test_invalid_configs_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        KVCacheConfig(**kwargs)
+
+
+def test_wrong_types_raise_type_error():
+    with pytest.raises(TypeError, match="qfilters_budget"):
+        KVCacheConfig(qfilters_budget="512")
+    with pytest.raises(TypeError, match="qfilters_recent"):
+        KVCacheConfig(qfilters_recent=2.0)
+
+
+def test_streaming_llm_window_is_budget_minus_sinks():
+    cfg = KVCacheConfig(method="streaming_llm", qfilters_budget=64, qfilters_n_sink=4, qfilters_recent=100)
+    assert cfg.protected_recent == 60
+    assert KVCacheConfig(qfilters_budget=64, qfilters_recent=16).protected_recent == 16
+
+
+def test_unavailable_backend_raises_at_construction():
+    with pytest.raises(ValueError, match="metal"):
+        QFiltersKVCache(KVCacheConfig(qfilters_backend="metal"))
+
+
+def tiny_llama(n_kv_heads=2, head_dim=None, layers=2, heads=4, hidden=64):
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=heads, rms_norm_eps=1e-5, vocab_size=97, num_key_value_heads=n_kv_heads,
+        head_dim=head_dim, rope_theta=10000.0, tie_word_embeddings=True,
+    )
+    mx.random.seed(0)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_seed_usage_works_as_written():
+    model = tiny_llama(head_dim=16)
+    config = KVCacheConfig(method="qfilters", head_dim=16, qfilters_budget=32, qfilters_n_sink=4,
+                           qfilters_recent=0, qfilters_calib_tokens=16, qfilters_sign=1)
+    caches = KVCacheBuilder.for_model(model, config)
+    model.make_cache = lambda *_a, **_k: caches
+    assert len(caches) == 2 and all(isinstance(c, QFiltersKVCache) for c in caches)
+    prompt = mx.array(np.arange(60) % 97)
+    toks = [int(t) for t, _ in generate_step(prompt, model, max_tokens=20, prefill_step_size=16)]
+    assert len(toks) == 20
+    assert all(c.size() == 32 for c in caches) and all(c.offset == 60 + 19 for c in caches)  # the last token is not fed
+
+
+def test_head_dim_checked_and_inferred():
+    model = tiny_llama(head_dim=None, hidden=64, heads=4)  # args lack head_dim -> 64 // 4
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16))
+    assert caches[0].config.head_dim == 16
+    with pytest.raises(ValueError, match="head_dim"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(head_dim=128))
+    with pytest.raises(TypeError, match="config"):
+        KVCacheBuilder.for_model(model, {"method": "qfilters"})
+
+
+def test_gqa_32_query_heads_over_8_kv_heads():
+    model = tiny_llama(n_kv_heads=8, heads=32, hidden=512, layers=1)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_calib_tokens=8))
+    model(mx.array([list(range(40))]), cache=caches)
+    c = caches[0]
+    assert c.filter.shape == (8, 16) and c.keys.shape[1] == 8 and c.size() == 16
+
+
+def test_non_attention_layers_keep_model_cache():
+    class Mixed:
+        """A model whose own make_cache mixes full-attention and sliding-window layers."""
+
+        args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=3,
+                               intermediate_size=8, num_attention_heads=4, rms_norm_eps=1e-5,
+                               vocab_size=10)
+        layers = [None, None, None]
+
+        def make_cache(self):
+            return [KVCache(), RotatingKVCache(max_size=8), KVCache()]
+
+    m = Mixed()
+    m.make_cache = lambda *_a, **_k: ["stale"]  # a previous override is ignored
+    caches = KVCacheBuilder.for_model(m, KVCacheConfig(qfilters_budget=16))
+    assert isinstance(caches[0], QFiltersKVCache) and isinstance(caches[2], QFiltersKVCache)
+    assert type(caches[1]) is RotatingKVCache
+    assert caches[2].layer_idx == 2
+
+
+@pytest.mark.parametrize("method", ["qfilters", "l2norm", "streaming_llm", "random", "full"])
+def test_logits_equal_plain_kvcache_when_budget_covers_sequence(method):
+    model = tiny_llama(head_dim=16)
+    tokens = mx.array([[(7 * i) % 97 for i in range(48)]])
+    ref_cache = [KVCache() for _ in model.layers]
+    ours = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, qfilters_budget=64,
+                                                         qfilters_calib_tokens=8))
+    for start, L in [(0, 20), (20, 1), (21, 7), (28, 20)]:
+        chunk = tokens[:, start:start + L]
+        want = model(chunk, cache=ref_cache)
+        got = model(chunk, cache=ours)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+    assert all(c.offset == 48 and c.size() == 48 for c in ours)
