@@ -71,10 +71,24 @@ def test_seed_usage_works_as_written():
     caches = KVCacheBuilder.for_model(model, config)
     model.make_cache = lambda *_a, **_k: caches
     assert len(caches) == 2 and all(isinstance(c, QFiltersKVCache) for c in caches)
+    fed = []
+
+    class Counting:
+        """Delegates to the model and counts the tokens fed to it."""
+
+        layers = model.layers
+
+        def make_cache(self):
+            return model.make_cache()
+
+        def __call__(self, inputs, cache=None, **kw):
+            fed.append(inputs.shape[1])
+            return model(inputs, cache=cache, **kw)
+
     prompt = mx.array(np.arange(60) % 97)
-    toks = [int(t) for t, _ in generate_step(prompt, model, max_tokens=20, prefill_step_size=16)]
-    assert len(toks) == 20
-    assert all(c.size() == 32 for c in caches) and all(c.offset == 60 + 19 for c in caches)  # the last token is not fed
+    toks = [int(t) for t, _ in generate_step(prompt, Counting(), max_tokens=20, prefill_step_size=16)]
+    assert len(toks) == 20 and fed[:4] == [16, 16, 16, 11]
+    assert all(c.size() == 32 for c in caches) and all(c.offset == sum(fed) for c in caches)
 
 
 def test_head_dim_checked_and_inferred():
