@@ -1,0 +1,76 @@
+// Python bindings of the Q-Filters primitives: module qfilters_mlx._ext.
+// NB_DOMAIN mlx (set in CMake) shares nanobind's type registry with mlx.core,
+// so mx.array and streams pass in both directions.
+
+#include <tuple>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
+
+#include "qfilters.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_ext, m) {
+  m.doc() =
+      "Q-Filters eviction kernels for MLX (CPU primitives). Semantics equal "
+      "qfilters_mlx.reference; errors are ValueError prefixed with the op "
+      "name.";
+
+  m.def(
+      "projection_scores",
+      &qfilters::projection_scores,
+      "keys"_a,
+      "filters"_a,
+      "sign"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(Q-Filters scores ``sign * <k, u_h>`` accumulated in float32.
+
+Args:
+    keys (array): ``[B, H, T, D]`` float32, float16 or bfloat16, any strides.
+    filters (array): ``[H, D]`` (converted to float32).
+    sign (int): ``+1`` or ``-1``.
+    stream: a CPU stream or device; default the CPU's default stream.
+
+Returns:
+    array: ``[B, H, T]`` float32.)");
+
+  m.def(
+      "select_compact",
+      [](const mlx::core::array& scores,
+         const mlx::core::array& keys,
+         const mlx::core::array& values,
+         int budget,
+         int n_sink,
+         int recent,
+         mlx::core::StreamOrDevice s) {
+        auto out = qfilters::select_compact(
+            scores, keys, values, budget, n_sink, recent, s);
+        return std::make_tuple(out[0], out[1], out[2]);
+      },
+      "scores"_a,
+      "keys"_a,
+      "values"_a,
+      "budget"_a,
+      "n_sink"_a = 0,
+      "recent"_a = 0,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(Sink/recent-masked top-k selection and compaction.
+
+Keeps the first ``n_sink`` and last ``recent`` positions and fills the rest of
+``budget`` with the highest scores (ties: earlier position; NaN lowest).
+
+Args:
+    scores (array): ``[B, H, T]`` (converted to float32).
+    keys (array): ``[B, H, T, Dk]``; values (array): ``[B, H, T, Dv]``.
+    budget (int): ``>= 1``; n_sink, recent (int): ``>= 0``, sum ``<= budget``.
+    stream: a CPU stream or device; default the CPU's default stream.
+
+Returns:
+    tuple: ``(kept [B, H, K] int32 ascending, keys [B, H, K, Dk],
+    values [B, H, K, Dv])`` with ``K = min(budget, T)``, bit-exact rows.)");
+}

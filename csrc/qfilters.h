@@ -1,0 +1,95 @@
+// Q-Filters eviction hot path as MLX custom primitives.
+//
+// Two ops, each an mx::Primitive evaluated on the CPU through MLX's command
+// encoder. Their semantics are those of python/qfilters_mlx/reference.py (the
+// oracle; this code shares nothing with it):
+//
+//   projection_scores(keys [B,H,T,D] f32|f16|bf16, filters [H,D], sign)
+//       -> scores [B,H,T] float32, sign * <k, u_h> accumulated in float32.
+//   select_compact(scores [B,H,T], keys [B,H,T,Dk], values [B,H,T,Dv],
+//                  budget, n_sink, recent)
+//       -> kept [B,H,K] int32 ascending, keys [B,H,K,Dk], values [B,H,K,Dv],
+//          K = min(budget, T); kept rows are bit-exact copies.
+//
+// Selection rule (must equal reference.select_keep): the first n_sink and the
+// last `recent` positions are always kept; the other budget - n_sink - recent
+// slots go to the highest scores; among equal scores the earlier position
+// wins; NaN ranks with -inf (lowest); -0.0 equals +0.0. If budget >= T every
+// position is kept.
+#pragma once
+
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace qfilters {
+
+namespace mx = mlx::core;
+
+// Ops: validate inputs (errors are std::invalid_argument, prefixed with the
+// op name), then build the primitive. Inputs may have any strides.
+mx::array projection_scores(
+    const mx::array& keys,
+    const mx::array& filters,
+    int sign,
+    mx::StreamOrDevice s = {});
+
+std::vector<mx::array> select_compact(
+    const mx::array& scores,
+    const mx::array& keys,
+    const mx::array& values,
+    int budget,
+    int n_sink,
+    int recent,
+    mx::StreamOrDevice s = {});
+
+class ProjectionScores : public mx::Primitive {
+ public:
+  ProjectionScores(mx::Stream stream, int sign)
+      : mx::Primitive(stream), sign_(sign) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "QFiltersProjectionScores";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  int sign_;
+};
+
+class SelectCompact : public mx::Primitive {
+ public:
+  SelectCompact(mx::Stream stream, int budget, int n_sink, int recent)
+      : mx::Primitive(stream),
+        budget_(budget),
+        n_sink_(n_sink),
+        recent_(recent) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "QFiltersSelectCompact";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  int budget_;
+  int n_sink_;
+  int recent_;
+};
+
+} // namespace qfilters
