@@ -51,9 +51,11 @@ def enable_fast_blas(path: str | None = None) -> str | None:
             ``libopenblas0-pthread``).
 
     Returns:
-        The path of the library loaded (or loaded by an earlier call), or
-        ``None`` when nothing was loaded: not Linux, no library found,
-        ``mlx.core`` already imported, or the load failed. Never raises.
+        The path of the library loaded (by this call, an earlier one, or
+        ``LD_PRELOAD`` naming an OpenBLAS library), or
+        ``None`` when nothing was loaded: not Linux, disabled with
+        ``QFILTERS_MLX_FAST_BLAS=0``, no library found, ``mlx.core`` already
+        imported, or the load failed. Never raises.
     """
     global _loaded
     if _loaded is not None:
@@ -61,6 +63,14 @@ def enable_fast_blas(path: str | None = None) -> str | None:
     try:
         if not sys.platform.startswith("linux"):
             return None
+        switch = os.environ.get("QFILTERS_MLX_FAST_BLAS", "1").strip().lower()
+        if switch in ("0", "false", "no", "off"):
+            return None
+        preloaded = [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+                     if "openblas" in p]
+        if preloaded:  # LD_PRELOAD works as well as loading before mlx
+            _loaded = preloaded[0]
+            return _loaded
         if "mlx.core" in sys.modules:
             warnings.warn(
                 "enable_fast_blas() called after mlx.core was imported; "
