@@ -73,3 +73,16 @@ class KVCacheBuilder:
             QFiltersKVCache(config, layer_idx=i) if type(c) is KVCache else c
             for i, c in enumerate(default_caches(model))
         ]
+
+    @staticmethod
+    def install(model, config: KVCacheConfig) -> None:
+        """Make ``model.make_cache()`` build *fresh* eviction caches on every call.
+
+        Unlike the seed's ``model.make_cache = lambda *_a, **_k: caches``, which
+        hands the same (already used) cache objects to every later generation,
+        this is safe for repeated ``mlx_lm.generate`` calls and for servers that
+        build a cache per request. Validates like :meth:`for_model` (errors are
+        raised here, not at the first generation).
+        """
+        KVCacheBuilder.for_model(model, config)  # validate now
+        model.make_cache = lambda *_a, **_k: KVCacheBuilder.for_model(model, config)

@@ -28,9 +28,12 @@ buffer is full) plus one gather of the ``budget`` kept rows
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
@@ -70,7 +73,7 @@ class QFiltersKVCache(_BaseCache):
         self.keys = None
         self.values = None
         self.scores = None  # [B, H, capacity] float32; meaningful once scoring is ready
-        self.positions = None  # [B, H, capacity] int32 absolute positions
+        self.positions = None  # [B, H, capacity] int64 absolute positions
         self.filter = None
         self.offset = 0
         self._n = 0  # live rows
@@ -129,7 +132,7 @@ class QFiltersKVCache(_BaseCache):
         """Write the new rows after the live ones, growing buffers in ``step`` blocks."""
         B, H, L, _ = keys.shape
         n = self._n
-        pos = (self.offset + mx.arange(L, dtype=mx.int32))[None, None, :]
+        pos = (mx.array(self.offset, dtype=mx.int64) + mx.arange(L, dtype=mx.int64))[None, None, :]
         pos = mx.broadcast_to(pos, (B, H, L))
         if self.evicted and n + L > self.keys.shape[2]:
             # Steady state after eviction: exactly the rows needed, one copy of
@@ -152,7 +155,7 @@ class QFiltersKVCache(_BaseCache):
             self.keys = grow(self.keys, (B, H, cap, keys.shape[3]), keys.dtype)
             self.values = grow(self.values, (B, H, cap, values.shape[3]), values.dtype)
             self.scores = grow(self.scores, (B, H, cap), mx.float32)
-            self.positions = grow(self.positions, (B, H, cap), mx.int32)
+            self.positions = grow(self.positions, (B, H, cap), mx.int64)
         self.keys[:, :, n : n + L] = keys
         self.values[:, :, n : n + L] = values
         self.positions[:, :, n : n + L] = pos
@@ -217,6 +220,9 @@ class QFiltersKVCache(_BaseCache):
         out = self.keys[:, :, :n], self.values[:, :, :n]
         if self.method != "full" and self.scoring_ready and n > self.config.qfilters_budget:
             self._evict()
+        # Positions (and scores before calibration) are read by no returned array:
+        # schedule them so their graphs never grow across decode steps.
+        mx.async_eval(self.positions, self.scores)
         return out
 
     def size(self) -> int:
@@ -228,20 +234,37 @@ class QFiltersKVCache(_BaseCache):
 
     @property
     def state(self):
-        if self.keys is None:
-            return []
+        """``(keys, values, scores, positions, filter, meta)``: the live rows and a JSON string.
+
+        ``meta`` carries the configuration and the scalar attributes (offset,
+        layer index, eviction flag) so that mlx-lm's ``save_prompt_cache`` /
+        ``load_prompt_cache`` round-trip the cache exactly (the class is
+        registered in ``mlx_lm.models.cache`` for ``load_prompt_cache``).
+        Arrays are ``None`` while the cache is empty.
+        """
         n = self._n
-        arrays = [self.keys[:, :, :n], self.values[:, :, :n], self.scores[:, :, :n],
-                  self.positions[:, :, :n]]
-        if self.filter is not None:
-            arrays.append(self.filter)
-        return arrays
+        live = (lambda a: None if a is None else a[:, :, :n])  # noqa: E731
+        meta = {
+            "config": dataclasses.asdict(self.config),
+            "offset": str(self.offset),  # a string: exact beyond 2**31
+            "layer_idx": self.layer_idx,
+            "evicted": self.evicted,
+        }
+        return (live(self.keys), live(self.values), live(self.scores), live(self.positions),
+                self.filter, json.dumps(meta))
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.scores, self.positions = v[:4]
-        self.filter = v[4] if len(v) > 4 else None
-        self._n = self.keys.shape[2]
+        keys, values, scores, positions, filt, meta = v
+        meta = json.loads(meta)
+        self.config = KVCacheConfig(**meta["config"])
+        self.backend = get_backend(self.config.qfilters_backend)
+        self.layer_idx = int(meta["layer_idx"])
+        self.offset = int(meta["offset"])
+        self.evicted = bool(meta["evicted"])
+        self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
+        self.filter = filt
+        self._n = 0 if keys is None else keys.shape[2]
 
     def is_trimmable(self) -> bool:
         """True until the first eviction (after it, removed tokens cannot be restored)."""
@@ -343,5 +366,10 @@ class QFiltersKVCache(_BaseCache):
         return self.full_seq_bytes / kept if kept else 1.0
 
     def kept_positions(self) -> mx.array:
-        """``[B, H_kv, size()]`` int32 absolute positions of the stored tokens, ascending."""
+        """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
         return self.positions[:, :, : self._n]
+
+
+# mlx-lm's load_prompt_cache resolves cache classes by name in its own module:
+# make ours resolvable there (adds a name; changes nothing else in mlx-lm).
+mlx_cache.QFiltersKVCache = QFiltersKVCache

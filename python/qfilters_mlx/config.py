@@ -16,13 +16,19 @@ METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
 """Eviction methods sharing one engine (see DESIGN.md, "Scorers")."""
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+INT32_MAX = 2**31 - 1
+"""Largest budget/sink/window the kernels index with int32."""
+
+
+def _check_int(name: str, value, minimum: int, maximum: int = INT32_MAX) -> None:
     if value is None:
         raise ValueError(f"{name} must be an int >= {minimum}, got None")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum} (int32 kernels), got {value}")
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class KVCacheConfig:
         _check_int("qfilters_n_sink", self.qfilters_n_sink, 0)
         _check_int("qfilters_recent", self.qfilters_recent, 0)
         _check_int("qfilters_calib_tokens", self.qfilters_calib_tokens, 1)
-        _check_int("qfilters_seed", self.qfilters_seed, 0)
+        _check_int("qfilters_seed", self.qfilters_seed, 0, 2**63 - 1)
         if self.qfilters_n_sink >= self.qfilters_budget:
             raise ValueError(
                 f"qfilters_n_sink ({self.qfilters_n_sink}) must be smaller than "

@@ -64,13 +64,18 @@ def insertion_scores(method: str, keys: mx.array, positions: mx.array, *, filter
     """Scores ``[B, H, L]`` float32 of new keys ``[B, H, L, D]`` for ``method``.
 
     ``qfilters`` needs ``filters`` ``[H, D]`` and uses ``backend.projection_scores``
-    when a backend is given (the reference otherwise).
+    when a backend is given (the reference otherwise). A non-finite score (a key
+    holding NaN or inf) becomes ``-inf``: such a token is evicted before any
+    finite-scored one, unless it is a sink or in the recent window.
     """
-    if method == "qfilters":
-        fn = backend.projection_scores if backend is not None else reference.projection_scores
-        return fn(keys, filters, sign)
-    if method == "l2norm":
-        return reference.l2norm_scores(keys)
+    if method in ("qfilters", "l2norm"):
+        if method == "qfilters":
+            fn = backend.projection_scores if backend is not None else reference.projection_scores
+            s = fn(keys, filters, sign)
+        else:
+            s = reference.l2norm_scores(keys)
+        # Non-finite keys (NaN/inf) rank lowest: never kept over a finite-scored token.
+        return mx.where(mx.isfinite(s), s, -mx.inf)
     if method == "random":
         return random_scores(positions, seed, layer)
     # streaming_llm and full never rank by score.
