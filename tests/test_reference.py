@@ -133,3 +133,17 @@ def test_compact_is_bit_exact(dtype):
     kn = np.array(k.view(mx.uint16) if dtype != mx.float32 else k.view(mx.uint32))
     ckn = np.array(ck.view(mx.uint16) if dtype != mx.float32 else ck.view(mx.uint32))
     np.testing.assert_array_equal(ckn, np.take_along_axis(kn, kept[..., None], axis=2))
+
+
+def test_filter_ignores_nonfinite_rows():
+    rng = np.random.default_rng(6)
+    keys, u = planted_keys(rng, 1, 2, 64, 16)
+    dirty = keys.copy()
+    dirty[0, 0, 5] = np.nan
+    dirty[0, 1, 9, 2] = np.inf
+    clean = keys.copy()
+    clean[0, 0, 5] = 0.0
+    clean[0, 1, 9] = 0.0
+    f = np.array(ref.estimate_filter_from_keys(mx.array(dirty)))
+    assert np.all(np.isfinite(f))
+    np.testing.assert_allclose(f, np.array(ref.estimate_filter_from_keys(mx.array(clean))), atol=1e-6)

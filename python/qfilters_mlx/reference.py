@@ -52,7 +52,7 @@ def estimate_filter_from_keys(keys: mx.array) -> mx.array:
     Returns:
         ``[H, D]`` float32 unit vectors, oriented so that the keys' mean
         projection is positive (largest-magnitude component positive if the
-        mean is exactly zero).
+        mean is exactly zero). Key rows holding NaN or inf are left out.
 
     Raises:
         TypeError, ValueError: ``keys`` is not a 4-D array or has ``B * T == 0``.
@@ -62,6 +62,8 @@ def estimate_filter_from_keys(keys: mx.array) -> mx.array:
     if B * T == 0:
         raise ValueError("keys must hold at least one token (B * T > 0)")
     x = keys.astype(mx.float32).transpose(1, 0, 2, 3).reshape(H, B * T, D)
+    # Rows holding NaN/inf carry no direction: they are zeroed (left out of the SVD).
+    x = mx.where(mx.isfinite(x).all(axis=-1, keepdims=True), x, 0.0)
     # SVD is implemented on the CPU stream only.
     _, _, vt = mx.linalg.svd(x, stream=mx.cpu)
     u = vt[:, 0, :]

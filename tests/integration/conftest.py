@@ -1,0 +1,21 @@
+"""Integration tier: give MLX fast float32 BLAS before anything imports mlx.
+
+MLX's CPU backend only uses OpenBLAS when the library is loaded before the
+first ``import mlx.core`` (see ``qfilters_mlx/blas.py``; the package imports
+mlx lazily, so importing the helper is safe).
+
+This conftest is imported before any mlx import when pytest runs
+``tests/integration`` on its own, and in a full run too because pytest collects
+the ``tests/integration`` folder before the ``tests/test_*.py`` files (sorted
+order). If mlx was imported earlier (e.g. ``pytest tests/test_x.py
+tests/integration``) the tests still pass, only slower; calling
+``enable_fast_blas()`` from ``tests/conftest.py`` covers every order.
+"""
+
+from __future__ import annotations
+
+from qfilters_mlx.blas import enable_fast_blas
+
+# Returns the library when loaded now or by an earlier call (e.g. from
+# tests/conftest.py); warns (RuntimeWarning) and returns None if mlx came first.
+FAST_BLAS = enable_fast_blas()

