@@ -15,6 +15,7 @@ _EXPORTS = {
     "KVCacheConfig": ".config",
     "METHODS": ".config",
     "QFiltersKVCache": ".cache",
+    "observe_queries": ".observe",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

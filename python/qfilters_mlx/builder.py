@@ -27,6 +27,24 @@ def model_head_dim(model) -> int:
     raise ValueError("cannot infer head_dim: model.args has neither head_dim nor hidden_size/num_attention_heads")
 
 
+def _layer_filters(model, config: KVCacheConfig):
+    """``[n_layers, n_kv_heads, head_dim]`` filters from ``config.qfilters_filters``
+    (a path is loaded and checked against the model), or ``None``."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .calibration import _check_shape, load_filters
+
+    f = config.qfilters_filters
+    if f is None or config.method != "qfilters":
+        return None
+    if isinstance(f, str):
+        return load_filters(f, model)[0]
+    f = mx.array(np.asarray(f)) if not isinstance(f, mx.array) else f
+    _check_shape(f, model)
+    return f.astype(mx.float32)
+
+
 def default_caches(model) -> list:
     """The caches the model builds for itself (its class's ``make_cache``, else ``KVCache`` per layer).
 
@@ -57,10 +75,15 @@ class KVCacheBuilder:
         Returns:
             A list with one cache per layer.
 
+        With ``config.qfilters_filters`` (a path or an array ``[n_layers,
+        n_kv_heads, head_dim]``), layer ``i`` gets ``filters[i]`` and evicts from
+        its first call.
+
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``.
-            ValueError: ``config.head_dim`` does not match the model's head_dim, or
-                the configured backend is unavailable.
+            ValueError: ``config.head_dim`` does not match the model's head_dim,
+                the filters do not fit the model, or the configured backend is
+                unavailable.
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
@@ -69,8 +92,10 @@ class KVCacheBuilder:
             config = config.with_head_dim(hd)
         elif config.head_dim != hd:
             raise ValueError(f"config.head_dim={config.head_dim} does not match the model's head_dim={hd}")
+        filters = _layer_filters(model, config)
         return [
-            QFiltersKVCache(config, layer_idx=i) if type(c) is KVCache else c
+            QFiltersKVCache(config, layer_idx=i, filters=None if filters is None else filters[i])
+            if type(c) is KVCache else c
             for i, c in enumerate(default_caches(model))
         ]
 

@@ -45,6 +45,16 @@ from .scorers import insertion_scores
 FILTER_BYTES_PER_ELEMENT = 4  # filters are float32
 
 
+def _query_orientation(filters: mx.array, queries: mx.array) -> mx.array:
+    """Per KV head ``+1``/``-1``: the sign of the mean projection of the group's
+    queries ``[B, H_q, T, D]`` onto ``filters [H_kv, D]`` (``+1`` on a zero mean)."""
+    B, Hq, T, D = queries.shape
+    H = filters.shape[0]
+    q = queries.astype(mx.float32).reshape(B, H, Hq // H, T, D)
+    mean = (q @ filters[None, :, None, :, None]).mean(axis=(0, 2, 3, 4))
+    return mx.where(mean < 0, -1.0, 1.0)
+
+
 class QFiltersKVCache(_BaseCache):
     """Eviction KV cache for one attention layer.
 
@@ -64,17 +74,30 @@ class QFiltersKVCache(_BaseCache):
 
     step = 256
 
-    def __init__(self, config: KVCacheConfig, layer_idx: int = 0):
+    def __init__(self, config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | None = None):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if filters is not None:
+            if not isinstance(filters, mx.array) or filters.ndim != 2:
+                raise ValueError("filters must be an mx.array [H_kv, D], got "
+                                 f"{getattr(filters, 'shape', type(filters).__name__)}")
+            if not mx.issubdtype(filters.dtype, mx.floating):
+                raise TypeError(f"filters must be floating point, got {filters.dtype}")
+            hd = config.head_dim
+            if hd is not None and filters.shape[1] != hd:
+                raise ValueError(f"filters head_dim {filters.shape[1]} != config.head_dim {hd}")
+            filters = filters.astype(mx.float32)
         self.config = config
         self.layer_idx = int(layer_idx)
         self.backend = get_backend(config.qfilters_backend)
+        self.filter_fixed = filters is not None  # given from outside: no calibration
+        self.queries_observed = False  # set by observe_queries() while it is active
+        self._queries = None  # [B, H_q, <=calib, D] first calib_tokens queries
         self.keys = None
         self.values = None
         self.scores = None  # [B, H, capacity] float32; meaningful once scoring is ready
         self.positions = None  # [B, H, capacity] int64 absolute positions
-        self.filter = None
+        self.filter = filters
         self.offset = 0
         self._n = 0  # live rows
         self.evicted = False
@@ -86,7 +109,11 @@ class QFiltersKVCache(_BaseCache):
 
     @property
     def _needs_filter(self) -> bool:
-        return self.method == "qfilters"
+        return self.method == "qfilters" and not self.filter_fixed
+
+    @property
+    def _calibrates_from_queries(self) -> bool:
+        return self._needs_filter and self.config.needs_queries
 
     @property
     def scoring_ready(self) -> bool:
@@ -110,6 +137,17 @@ class QFiltersKVCache(_BaseCache):
             raise TypeError(f"keys and values must share a dtype, got {keys.dtype} and {values.dtype}")
         if keys.shape[2] == 0:
             raise ValueError("keys must hold at least one token (L >= 1)")
+        if self._calibrates_from_queries and not self.queries_observed:
+            raise ValueError(
+                "this cache estimates its filter from queries (qfilters_sign='auto' or "
+                "qfilters_filter_source='queries'): run the model inside "
+                "`with qfilters_mlx.observe_queries(model, caches):`"
+            )
+        if self.filter is not None and tuple(self.filter.shape) != (keys.shape[1], keys.shape[3]):
+            raise ValueError(
+                f"filters shape {tuple(self.filter.shape)} does not match keys "
+                f"[H_kv, D] = {(keys.shape[1], keys.shape[3])}"
+            )
         hd = self.config.head_dim
         if hd is not None and keys.shape[3] != hd:
             raise ValueError(f"keys head_dim {keys.shape[3]} does not match config.head_dim {hd}")
@@ -166,18 +204,27 @@ class QFiltersKVCache(_BaseCache):
     def _score(self, keys, positions):
         c = self.config
         return insertion_scores(
-            c.method, keys, positions, filters=self.filter, sign=c.qfilters_sign,
+            c.method, keys, positions, filters=self.filter, sign=c.score_sign,
             seed=c.qfilters_seed, layer=self.layer_idx, backend=self.backend,
         )
 
     def _calibrate(self) -> None:
-        """Freeze the filter from exactly the first ``calib_tokens`` keys; score all live rows.
+        """Freeze the filter from exactly the first ``calib_tokens`` keys (and, for
+        query-based configs, queries); score all live rows.
 
         Called only before any eviction, when rows ``[0, calib_tokens)`` are the
         first ``calib_tokens`` tokens ever fed.
         """
-        c = self.config.qfilters_calib_tokens
-        self.filter = reference.estimate_filter_from_keys(self.keys[:, :, :c])
+        cfg = self.config
+        c = cfg.qfilters_calib_tokens
+        if cfg.qfilters_filter_source == "queries":
+            f = reference.estimate_filter_from_queries(self._queries[:, :, :c], self.keys.shape[1])
+        else:
+            f = reference.estimate_filter_from_keys(self.keys[:, :, :c])
+            if cfg.qfilters_sign == "auto":
+                f = f * _query_orientation(f, self._queries[:, :, :c])[:, None]
+        self.filter = f
+        self._queries = None
         n = self._n
         self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
 
@@ -214,7 +261,8 @@ class QFiltersKVCache(_BaseCache):
         L = keys.shape[2]
         self._append(keys, values)
         self.offset += L
-        if not self.scoring_ready and self.offset >= self.config.qfilters_calib_tokens:
+        if (not self.scoring_ready and not self._calibrates_from_queries
+                and self.offset >= self.config.qfilters_calib_tokens):
             self._calibrate()
         n = self._n
         out = self.keys[:, :, :n], self.values[:, :, :n]
@@ -224,6 +272,29 @@ class QFiltersKVCache(_BaseCache):
         # schedule them so their graphs never grow across decode steps.
         mx.async_eval(self.positions, self.scores)
         return out
+
+    def observe_queries(self, queries: mx.array) -> None:
+        """Receive this call's post-RoPE queries ``[B, H_q, L, D]`` (from ``observe_queries``).
+
+        Called after ``update_and_fetch`` of the same call (attention runs after
+        the cache returns keys). Keeps the first ``calib_tokens`` queries; once
+        they are all there, freezes the filter, scores the stored tokens and
+        evicts down to the budget, exactly as a key-based cache does at the end
+        of the call that crosses ``calib_tokens``.
+        """
+        if not self._calibrates_from_queries or self.filter is not None:
+            return
+        c = self.config.qfilters_calib_tokens
+        have = 0 if self._queries is None else self._queries.shape[2]
+        need = min(c, self.offset) - have
+        if need > 0:
+            new = queries[:, :, :need]  # this call's rows start at token `have`
+            self._queries = new if self._queries is None else mx.concatenate([self._queries, new], axis=2)
+        if self._queries is not None and self._queries.shape[2] >= c:
+            self._calibrate()
+            if self._n > self.config.qfilters_budget:
+                self._evict()
+            mx.async_eval(self.positions, self.scores)
 
     def size(self) -> int:
         """Number of tokens stored per (batch row, KV head)."""
@@ -244,8 +315,12 @@ class QFiltersKVCache(_BaseCache):
         """
         n = self._n
         live = (lambda a: None if a is None else a[:, :, :n])  # noqa: E731
+        cfg = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        if not isinstance(cfg["qfilters_filters"], str):
+            cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
         meta = {
-            "config": dataclasses.asdict(self.config),
+            "config": cfg,
+            "filter_fixed": self.filter_fixed,
             "offset": str(self.offset),  # a string: exact beyond 2**31
             "layer_idx": self.layer_idx,
             "evicted": self.evicted,
@@ -262,6 +337,9 @@ class QFiltersKVCache(_BaseCache):
         self.layer_idx = int(meta["layer_idx"])
         self.offset = int(meta["offset"])
         self.evicted = bool(meta["evicted"])
+        self.filter_fixed = bool(meta["filter_fixed"])
+        self.queries_observed = False
+        self._queries = None
         self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
         self.filter = filt
         self._n = 0 if keys is None else keys.shape[2]
@@ -284,6 +362,8 @@ class QFiltersKVCache(_BaseCache):
         self.offset -= n
         if self._needs_filter and self.offset < self.config.qfilters_calib_tokens:
             self.filter = None
+        if self._queries is not None:
+            self._queries = self._queries[:, :, : self.offset]
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

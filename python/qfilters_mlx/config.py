@@ -8,12 +8,15 @@ the field, before any cache exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .kernels import BACKENDS
 
 METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
 """Eviction methods sharing one engine (see DESIGN.md, "Scorers")."""
+
+FILTER_SOURCES = ("keys", "queries")
+"""Online filter estimators: key-SVD (sign from the config) or the paper's query-SVD."""
 
 
 INT32_MAX = 2**31 - 1
@@ -51,7 +54,17 @@ class KVCacheConfig:
             ``method="qfilters"`` uses it.
         qfilters_sign: ``+1`` keeps keys with large ``<k, u>``, ``-1`` keeps
             keys with small ``<k, u>``. The key-SVD direction has no intrinsic
-            sign (see README, "Caveats").
+            sign (see README, "Caveats"); ``"auto"`` picks it per KV head from
+            the queries of the first ``calib_tokens`` tokens (needs
+            :func:`qfilters_mlx.observe.observe_queries` around generation).
+        qfilters_filter_source: ``"keys"`` (key-SVD, default) or ``"queries"``
+            (the paper's estimator from the first ``calib_tokens`` post-RoPE
+            queries, online; needs ``observe_queries``; its sign is fixed by the
+            queries, so ``qfilters_sign`` must be ``+1`` or ``"auto"``).
+        qfilters_filters: precomputed filters ``[n_layers, n_kv_heads, head_dim]``
+            (a safetensors path written by ``qfilters-mlx calibrate``, or an
+            array). With filters, eviction starts at once and
+            ``qfilters_calib_tokens`` and ``qfilters_filter_source`` are ignored.
         qfilters_seed: seed of the ``random`` control arm.
         qfilters_backend: kernel backend, one of ``"auto"``, ``"reference"``,
             ``"cpp"``, ``"metal"``; resolved when a cache is built.
@@ -69,9 +82,11 @@ class KVCacheConfig:
     qfilters_n_sink: int = 4
     qfilters_recent: int = 0
     qfilters_calib_tokens: int = 128
-    qfilters_sign: int = 1
+    qfilters_sign: int | str = 1
     qfilters_seed: int = 0
     qfilters_backend: str = "auto"
+    qfilters_filter_source: str = "keys"
+    qfilters_filters: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -96,12 +111,35 @@ class KVCacheConfig:
                 f"{self.qfilters_recent}) must be smaller than qfilters_budget "
                 f"({self.qfilters_budget}): no slot would be left for scored tokens"
             )
-        if isinstance(self.qfilters_sign, bool) or self.qfilters_sign not in (1, -1):
-            raise ValueError(f"qfilters_sign must be +1 or -1, got {self.qfilters_sign!r}")
+        if isinstance(self.qfilters_sign, bool) or self.qfilters_sign not in (1, -1, "auto"):
+            raise ValueError(f"qfilters_sign must be +1, -1 or 'auto', got {self.qfilters_sign!r}")
+        if self.qfilters_filter_source not in FILTER_SOURCES:
+            raise ValueError(
+                f"qfilters_filter_source must be one of {FILTER_SOURCES}, "
+                f"got {self.qfilters_filter_source!r}"
+            )
+        if self.qfilters_filter_source == "queries" and self.qfilters_sign == -1:
+            raise ValueError("qfilters_sign=-1 contradicts qfilters_filter_source='queries' "
+                             "(the query filter's sign is fixed by the queries)")
+        f = self.qfilters_filters
+        if f is not None and not isinstance(f, str) and getattr(f, "ndim", None) != 3:
+            raise ValueError("qfilters_filters must be a path or a [n_layers, n_kv_heads, "
+                             f"head_dim] array, got {type(f).__name__}")
         if self.qfilters_backend not in BACKENDS:
             raise ValueError(
                 f"qfilters_backend must be one of {BACKENDS}, got {self.qfilters_backend!r}"
             )
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether the online filter needs observed queries (query source or auto sign)."""
+        return (self.method == "qfilters" and self.qfilters_filters is None
+                and (self.qfilters_filter_source == "queries" or self.qfilters_sign == "auto"))
+
+    @property
+    def score_sign(self) -> int:
+        """The sign applied when scoring (+1 when the filter's own orientation decides)."""
+        return -1 if self.qfilters_sign == -1 else 1
 
     @property
     def protected_recent(self) -> int:

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 __all__ = [
     "estimate_filter_from_keys",
+    "estimate_filter_from_queries",
     "projection_scores",
     "l2norm_scores",
     "select_keep",
@@ -62,16 +63,51 @@ def estimate_filter_from_keys(keys: mx.array) -> mx.array:
     if B * T == 0:
         raise ValueError("keys must hold at least one token (B * T > 0)")
     x = keys.astype(mx.float32).transpose(1, 0, 2, 3).reshape(H, B * T, D)
-    # Rows holding NaN/inf carry no direction: they are zeroed (left out of the SVD).
+    return _top_singular_oriented(x)
+
+
+def _top_singular_oriented(x: mx.array) -> mx.array:
+    """``x [G, N, D]`` -> ``[G, D]`` unit top right-singular vectors oriented so that
+    the mean projection of the rows is >= 0 (ties: largest component positive)."""
     x = mx.where(mx.isfinite(x).all(axis=-1, keepdims=True), x, 0.0)
-    # SVD is implemented on the CPU stream only.
     _, _, vt = mx.linalg.svd(x, stream=mx.cpu)
     u = vt[:, 0, :]
     u = u / mx.linalg.norm(u, axis=-1, keepdims=True)
-    mean_proj = (x @ u[:, :, None]).squeeze(-1).mean(axis=-1)  # [H]
+    mean_proj = (x @ u[:, :, None]).squeeze(-1).mean(axis=-1)
     peak = mx.take_along_axis(u, mx.argmax(mx.abs(u), axis=-1)[:, None], axis=-1)[:, 0]
     flip = mx.where(mean_proj != 0, mean_proj < 0, peak < 0)
     return mx.where(flip[:, None], -u, u)
+
+
+def estimate_filter_from_queries(queries: mx.array, n_kv_heads: int) -> mx.array:
+    """The paper's estimator: Q-Filters from post-RoPE query vectors.
+
+    Godey et al. 2025 (arXiv:2503.02812), Sec. 3: per query head, the top
+    right-singular vector of the uncentred query sample, oriented so that the
+    queries' **mean** projection onto it is positive (that end receives
+    attention); then averaged over the query heads of each GQA group and
+    renormalised. Batch rows are pooled; rows holding NaN/inf are left out.
+
+    Args:
+        queries: ``[B, H_q, T, D]``, any float dtype (computed in float32).
+        n_kv_heads: ``H_kv``; must divide ``H_q``.
+
+    Returns:
+        ``[H_kv, D]`` float32 unit vectors; score a key with ``+<k, f>``.
+
+    Raises:
+        TypeError, ValueError: bad rank, ``B * T == 0``, ``H_q % n_kv_heads != 0``.
+    """
+    _check_ndim("queries", queries, 4)
+    B, Hq, T, D = queries.shape
+    if B * T == 0:
+        raise ValueError("queries must hold at least one token (B * T > 0)")
+    if n_kv_heads < 1 or Hq % n_kv_heads:
+        raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide the query head count ({Hq})")
+    x = queries.astype(mx.float32).transpose(1, 0, 2, 3).reshape(Hq, B * T, D)
+    per_head = _top_singular_oriented(x)  # [H_q, D]
+    f = per_head.reshape(n_kv_heads, Hq // n_kv_heads, D).mean(axis=1)
+    return f / mx.linalg.norm(f, axis=-1, keepdims=True)
 
 
 def projection_scores(keys: mx.array, filters: mx.array, sign: int = 1) -> mx.array:
