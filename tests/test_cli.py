@@ -25,13 +25,19 @@ def run_error(capsys, *args) -> str:
 def test_generate_defaults():
     a = parse()
     assert (a.method, a.budget, a.n_sink, a.recent, a.calib_tokens, a.sign, a.backend) == (
-        "qfilters", 256, 4, None, 128, -1, "auto"
+        "qfilters", 256, 4, None, 128, None, "auto"
     )
+    assert (a.filter_source, a.filters) == ("queries", None)
     assert (a.model, a.prompt, a.prompt_file, a.system_prompt) == (None, None, None, None)
     assert (a.max_tokens, a.temp, a.top_p, a.min_p, a.top_k, a.seed) == (100, 0.0, 1.0, 0.0, 0, None)
     assert a.verbose is True and a.ignore_chat_template is False
     assert a.prefill_step_size == 2048
-    assert cli.DEFAULT_SIGN == -1 and cli.DEFAULT_RECENT_FRACTION == 0.5
+    assert cli.DEFAULT_SIGN == "auto" and cli.DEFAULT_RECENT_FRACTION == 0.5
+    # the effective config: the paper's query filter (sign +1); key filters get the auto sign
+    cfg = cli._config_or_error(cli.build_parser(), a)
+    assert (cfg.qfilters_filter_source, cfg.qfilters_sign, cfg.qfilters_recent) == ("queries", 1, 128)
+    cfg = cli._config_or_error(cli.build_parser(), parse("--filter-source", "keys"))
+    assert (cfg.qfilters_filter_source, cfg.qfilters_sign) == ("keys", "auto")
 
 
 def test_mlx_lm_flag_spellings():
@@ -43,7 +49,7 @@ def test_mlx_lm_flag_spellings():
     assert a.prefill_step_size == 64 and a.extra_eos_token == ["a", "b"]
 
 
-@pytest.mark.parametrize("text,value", [("+1", 1), ("1", 1), ("-1", -1)])
+@pytest.mark.parametrize("text,value", [("+1", 1), ("1", 1), ("-1", -1), ("auto", "auto")])
 def test_sign_values(text, value):
     assert parse(f"--sign={text}").sign == value
 
@@ -75,8 +81,9 @@ def test_help_explains_measured_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "chosen from measurements" in text
     assert "not the library's default of 0" in text
-    assert "sign -1 beat +1 and random" in text
+    assert "points against the queries" in text
     for flag in ("--method", "--budget", "--n-sink", "--recent", "--calib-tokens", "--sign",
+                 "--filter-source", "--filters",
                  "--backend", "--prompt-file", "--max-tokens", "--prefill-step-size"):
         assert flag in text
 
@@ -121,15 +128,16 @@ def test_bad_values_name_the_option(capsys, args, flag):
 
 
 @pytest.mark.parametrize("backend", ["cpp", "metal"])
-def test_unavailable_backend_is_an_argument_error(capsys, backend):
-    from qfilters_mlx.kernels import get_backend
+def test_unavailable_backend_is_an_argument_error(capsys, monkeypatch, backend):
+    from qfilters_mlx import kernels
 
-    try:
-        get_backend(backend)
-    except ValueError:
-        pass
-    else:
-        pytest.skip(f"backend {backend!r} is available here")
+    # make both compiled backends unavailable, whatever this machine has
+    monkeypatch.setattr(kernels, "_cpp_backend", lambda: None)
+    def no_metal():
+        raise ValueError("backend='metal' is not available: no Metal device")
+
+    monkeypatch.setattr(kernels, "_metal_backend", no_metal, raising=False)
+    monkeypatch.setattr(kernels, "_metal_available", lambda: False, raising=False)
     err = run_error(capsys, "generate", "--backend", backend)
     assert "--backend" in err and backend in err
 

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_N_SINK",
     "DEFAULT_RECENT_FRACTION",
     "DEFAULT_SIGN",
+    "DEFAULT_FILTER_SOURCE",
     "build_parser",
     "default_recent",
     "main",
@@ -53,7 +54,10 @@ second text segment 3/4 was best and never clearly worse than StreamingLLM;
 default) was far worse (perplexity 71.0 vs 14.9 at budget 128).
 """
 
-DEFAULT_SIGN = -1
+DEFAULT_SIGN = "auto"
+DEFAULT_FILTER_SOURCE = "queries"
+DEFAULT_CALIB_TEXT_TOKENS = 4096
+DEFAULT_CALIB_SAMPLES = 4096
 """Default sign of the key-SVD filter score.
 
 DESIGN.md: on SmolLM2 the uncentred key-SVD direction points against the query
@@ -83,6 +87,8 @@ _FIELD_FLAGS = {
     "qfilters_recent": "--recent",
     "qfilters_sign": "--sign",
     "qfilters_seed": "--seed",
+    "qfilters_filter_source": "--filter-source",
+    "qfilters_filters": "--filters",
 }
 
 
@@ -144,13 +150,15 @@ def default_recent(budget: int, n_sink: int) -> int:
     return max(0, min(int(budget * DEFAULT_RECENT_FRACTION), budget - n_sink - 1))
 
 
-def _sign(text: str) -> int:
+def _sign(text: str) -> int | str:
+    if text == "auto":
+        return text
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be +1 or -1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be +1, -1 or auto, got {text!r}") from None
     if value not in (1, -1):
-        raise argparse.ArgumentTypeError(f"must be +1 or -1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be +1, -1 or auto, got {text!r}")
     return value
 
 
@@ -161,7 +169,7 @@ def _str2bool(text: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``qfilters-mlx`` argument parser (imports mlx through the config module)."""
-    from .config import METHODS
+    from .config import FILTER_SOURCES, METHODS
     from .kernels import BACKENDS
 
     parser = argparse.ArgumentParser(
@@ -242,11 +250,45 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
                    help=f"keys the qfilters filter is estimated from before it is frozen "
                         f"(default {DEFAULT_CALIB_TOKENS})")
-    c.add_argument("--sign", type=_sign, default=DEFAULT_SIGN, metavar="{+1,-1}",
-                   help=f"sign of the key-SVD score (default {DEFAULT_SIGN:+d}: measured on SmolLM2 "
-                        f"(DESIGN.md), key-SVD sign -1 beat +1 and random eviction)")
+    c.add_argument("--filter-source", choices=FILTER_SOURCES, default=DEFAULT_FILTER_SOURCE,
+                   help="online Q-Filter estimator: 'queries' (the paper's: SVD of the first "
+                        "--calib-tokens post-RoPE queries, sign fixed by the queries; default) or "
+                        "'keys' (SVD of the first keys; sign from --sign)")
+    c.add_argument("--sign", type=_sign, default=None, metavar="{+1,-1,auto}",
+                   help=f"sign of the key-SVD score; 'auto' picks it per KV head from the first "
+                        f"queries. Default: +1 with --filter-source queries, {DEFAULT_SIGN!r} with "
+                        f"keys (on SmolLM2 the key-SVD direction points against the queries in "
+                        f"~98%% of KV heads, DESIGN.md)")
+    c.add_argument("--filters", default=None, metavar="FILE",
+                   help="precomputed filters from `qfilters-mlx calibrate` (eviction starts at "
+                        "once; --calib-tokens and --filter-source are then ignored)")
     c.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="eviction kernel backend (default auto)")
+    cal = sub.add_parser(
+        "calibrate",
+        help="estimate query-derived Q-Filters offline and write them to a safetensors file",
+        description=(
+            "Run the model over calibration text, collect post-RoPE queries of every layer and "
+            "query head, and write the paper's filters [n_layers, n_kv_heads, head_dim] "
+            "(top singular vector per query head, oriented so queries project positively, "
+            "averaged over each GQA group) with model metadata."
+        ),
+    )
+    cal.set_defaults(_parser=cal)
+    cal.add_argument("--model", default=None, help="mlx-lm model folder (default: SmolLM2)")
+    cal.add_argument("--text", default=None, metavar="FILE",
+                     help="UTF-8 calibration text (default: a span of CPython's pydoc_data "
+                          "reference text disjoint from the evaluation text and the shipped prompt)")
+    cal.add_argument("--out", required=True, metavar="FILTERS.safetensors", help="output file")
+    cal.add_argument("--tokens", type=int, default=DEFAULT_CALIB_TEXT_TOKENS,
+                     help=f"calibration tokens (default {DEFAULT_CALIB_TEXT_TOKENS})")
+    cal.add_argument("--samples", type=int, default=DEFAULT_CALIB_SAMPLES,
+                     help=f"at most this many query rows per head (default {DEFAULT_CALIB_SAMPLES})")
+    cal.add_argument("--chunk", type=int, default=1024,
+                     help="tokens per independent forward pass (default 1024)")
+    from .cli_eval import add_parser as _add_eval_parser
+
+    _add_eval_parser(sub)
     return parser
 
 
@@ -257,6 +299,9 @@ def _config_or_error(parser: argparse.ArgumentParser, args):
     from .kernels import get_backend
 
     recent = args.recent if args.recent is not None else default_recent(args.budget, args.n_sink)
+    sign = args.sign
+    if sign is None:
+        sign = 1 if args.filter_source == "queries" else DEFAULT_SIGN
     try:
         config = KVCacheConfig(
             method=args.method,
@@ -264,7 +309,9 @@ def _config_or_error(parser: argparse.ArgumentParser, args):
             qfilters_n_sink=args.n_sink,
             qfilters_recent=recent,
             qfilters_calib_tokens=args.calib_tokens,
-            qfilters_sign=args.sign,
+            qfilters_sign=sign,
+            qfilters_filter_source=args.filter_source,
+            qfilters_filters=args.filters,
             qfilters_seed=args.seed if args.seed is not None else 0,
             qfilters_backend=args.backend,
         )
@@ -350,25 +397,30 @@ def cache_summary(caches) -> dict:
     }
 
 
+def _model_path(parser: argparse.ArgumentParser, args) -> Path:
+    """``--model``, or SmolLM2 prepared in the user cache folder."""
+    if args.model is not None:
+        model_path = Path(args.model)
+        if not model_path.is_dir():
+            parser.error(f"--model: {args.model} is not a model folder")
+        return model_path
+    from .prepare_model import default_model_dir, is_prepared, prepare_model
+
+    if not is_prepared(default_model_dir()):
+        print(f"Preparing SmolLM2-135M-Instruct in {default_model_dir()} (once)...",
+              file=sys.stderr, flush=True)
+    try:
+        return prepare_model()
+    except FileNotFoundError as err:
+        parser.error(f"no --model given and the default model cannot be prepared: {err}")
+
+
 def _generate(parser: argparse.ArgumentParser, args, blas_library: str | None) -> int:
     _check_generation_args(parser, args)
     config = _config_or_error(parser, args)
     text = _read_prompt(parser, args)
 
-    if args.model is None:
-        from .prepare_model import default_model_dir, is_prepared, prepare_model
-
-        if not is_prepared(default_model_dir()):
-            print(f"Preparing SmolLM2-135M-Instruct in {default_model_dir()} (once)...",
-                  file=sys.stderr, flush=True)
-        try:
-            model_path = prepare_model()
-        except FileNotFoundError as err:
-            parser.error(f"no --model given and the default model cannot be prepared: {err}")
-    else:
-        model_path = Path(args.model)
-        if not model_path.is_dir():
-            parser.error(f"--model: {args.model} is not a model folder")
+    model_path = _model_path(parser, args)
 
     import mlx.core as mx
     from mlx_lm import load
@@ -376,6 +428,7 @@ def _generate(parser: argparse.ArgumentParser, args, blas_library: str | None) -
     from mlx_lm.sample_utils import make_sampler
 
     from .builder import KVCacheBuilder
+    from .observe import observe_queries
 
     if args.seed is not None:
         mx.random.seed(args.seed)
@@ -394,8 +447,8 @@ def _generate(parser: argparse.ArgumentParser, args, blas_library: str | None) -
 
     try:
         caches = KVCacheBuilder.for_model(model, config)
-    except ValueError as err:
-        parser.error(str(err))
+    except (ValueError, TypeError, OSError, RuntimeError) as err:
+        parser.error(f"{args.filters}: {err}" if args.filters else str(err))
     sampler = make_sampler(
         args.temp,
         args.top_p,
@@ -410,18 +463,19 @@ def _generate(parser: argparse.ArgumentParser, args, blas_library: str | None) -
     pieces = []
     last = None
     tic = time.perf_counter()
-    for last in stream_generate(
-        model,
-        tokenizer,
-        prompt_tokens,
-        max_tokens=args.max_tokens,
-        sampler=sampler,
-        prompt_cache=caches,
-        prefill_step_size=args.prefill_step_size,
-    ):
-        pieces.append(last.text)
-        if args.verbose:
-            print(last.text, end="", flush=True)
+    with observe_queries(model, caches):  # feeds queries to query-based filters
+        for last in stream_generate(
+            model,
+            tokenizer,
+            prompt_tokens,
+            max_tokens=args.max_tokens,
+            sampler=sampler,
+            prompt_cache=caches,
+            prefill_step_size=args.prefill_step_size,
+        ):
+            pieces.append(last.text)
+            if args.verbose:
+                print(last.text, end="", flush=True)
     elapsed = time.perf_counter() - tic
     if not args.verbose:
         print("".join(pieces))
@@ -435,7 +489,7 @@ def _generate(parser: argparse.ArgumentParser, args, blas_library: str | None) -
         ("BLAS", _blas_description(blas_library)),
         ("Cache config", f"method={config.method} budget={config.qfilters_budget} "
                          f"n_sink={config.qfilters_n_sink} recent={config.protected_recent} "
-                         f"sign={config.qfilters_sign:+d} calib_tokens={config.qfilters_calib_tokens} "
+                         f"{_filter_description(config)} "
                          f"backend={config.qfilters_backend} ({_backend_name(caches)})"),
         ("Prompt tokens", f"{len(prompt_tokens)}"),
         ("Generated tokens", f"{last.generation_tokens if last else 0} "
@@ -453,6 +507,49 @@ def _generate(parser: argparse.ArgumentParser, args, blas_library: str | None) -
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key + ':':<{width + 1}} {value}")
+    return 0
+
+
+def _filter_description(config) -> str:
+    if config.method != "qfilters":
+        return "filter=none"
+    if config.qfilters_filters is not None:
+        return f"filters={config.qfilters_filters if isinstance(config.qfilters_filters, str) else 'array'}"
+    sign = config.qfilters_sign if isinstance(config.qfilters_sign, str) else f"{config.qfilters_sign:+d}"
+    return (f"filter_source={config.qfilters_filter_source} sign={sign} "
+            f"calib_tokens={config.qfilters_calib_tokens}")
+
+
+def _calibrate(parser: argparse.ArgumentParser, args) -> int:
+    if args.tokens < 1 or args.samples < 1 or args.chunk < 1:
+        parser.error("--tokens, --samples and --chunk must be >= 1")
+    if args.text is not None:
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except OSError as err:
+            parser.error(f"--text: {err}")
+        source = args.text
+    else:
+        from .prompts import calibration_text
+
+        text, source = calibration_text()
+    model_path = _model_path(parser, args)
+
+    from mlx_lm import load
+
+    from .calibration import calibrate_filters, save_filters
+
+    model, tokenizer = load(str(model_path))
+    ids = tokenizer.encode(text)[: args.tokens]
+    if len(ids) < 2:
+        parser.error("--text: too little text")
+    chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
+    tic = time.perf_counter()
+    filters = calibrate_filters(model, chunks, samples=args.samples)
+    save_filters(args.out, filters, model, calibration_text=source, calibration_tokens=len(ids),
+                 samples_per_head=args.samples, model_path=str(model_path))
+    print(f"Wrote {args.out}: filters {tuple(filters.shape)} from {len(ids)} tokens of {source} "
+          f"in {time.perf_counter() - tic:.1f} s")
     return 0
 
 
@@ -483,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
     command_parser = args._parser
     if args.command == "prepare-model":
         return _prepare(command_parser, args)
+    if args.command == "eval":
+        from .cli_eval import run as _run_eval
+
+        return _run_eval(command_parser, args)
+    if args.command == "calibrate":
+        return _calibrate(command_parser, args)
     return _generate(command_parser, args, blas_library)
 
 

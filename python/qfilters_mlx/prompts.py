@@ -133,3 +133,25 @@ def long_prompt(
     before, after = span[:cut].rstrip(), span[cut:].lstrip()
     parts = [INSTRUCTION, before, PASS_KEY_SENTENCE, after, f"Question: {QUESTION}"]
     return _PARAGRAPH.join(p for p in parts if p)
+
+
+CALIBRATION_OFFSET = 300_000
+"""Character offset of the default calibration text: after the evaluation text (the
+start of :func:`source_text`) and the shipped prompt (``SOURCE_OFFSET`` onward,
+``SPAN_CHARS`` long), so the three never overlap."""
+
+CALIBRATION_CHARS = 60_000
+
+
+def calibration_text() -> tuple[str, str]:
+    """Default text for ``qfilters-mlx calibrate`` and its description.
+
+    Returns:
+        ``(text, source)``: ``CALIBRATION_CHARS`` characters of :func:`source_text`
+        from the first paragraph after ``CALIBRATION_OFFSET`` (about 13k tokens).
+    """
+    assert CALIBRATION_OFFSET > SOURCE_OFFSET + 2 * SPAN_CHARS
+    text = source_text()
+    start = _paragraph_start(text, CALIBRATION_OFFSET)
+    return (text[start:start + CALIBRATION_CHARS],
+            f"pydoc_data.topics (sorted, joined) chars {start}..{start + CALIBRATION_CHARS}")
