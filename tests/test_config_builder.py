@@ -142,3 +142,49 @@ def test_logits_equal_plain_kvcache_when_budget_covers_sequence(method):
         got = model(chunk, cache=ours)
         np.testing.assert_array_equal(np.array(got), np.array(want))
     assert all(c.offset == 48 and c.size() == 48 for c in ours)
+
+
+def test_budget_beyond_int32_and_bad_filters_rejected():
+    with pytest.raises(ValueError, match="qfilters_budget"):
+        KVCacheConfig(qfilters_budget=2**31)
+    model = tiny_llama(head_dim=16)
+    with pytest.raises(TypeError, match="floating"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 2, 16), np.int32)))
+    with pytest.raises(ValueError, match="shape"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 2, 8), np.float32)))
+    with pytest.raises(ValueError, match="qfilters_filters"):
+        KVCacheConfig(qfilters_filters=[1.0, 2.0])
+    c = QFiltersKVCache(KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1), filters=mx.zeros((2, 16)))
+    k = mx.zeros((1, 3, 4, 16))  # 3 heads: the filters have 2
+    with pytest.raises(ValueError, match="filters shape"):
+        c.update_and_fetch(k, k)
+    assert c.empty() and c.offset == 0
+
+
+def test_batching_is_refused_with_a_clear_error_never_a_plain_cache():
+    """mlx-lm batches caches through `merge`; ours has none, so the server does not batch it
+    and BatchGenerator's merge path raises naming our class (CASES 3)."""
+    from mlx_lm.generate import _merge_caches
+
+    model = tiny_llama(head_dim=16)
+    a = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16))
+    b = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16))
+    for caches in (a, b):
+        model(mx.array([list(range(50))]), cache=caches)
+    assert not hasattr(a[0], "merge")
+    with pytest.raises(ValueError, match="QFiltersKVCache"):
+        _merge_caches([a, b])
+
+
+def test_install_builds_fresh_caches_for_every_generation():
+    from mlx_lm.generate import generate_step
+
+    model = tiny_llama(head_dim=16)
+    KVCacheBuilder.install(model, KVCacheConfig(qfilters_budget=16, qfilters_calib_tokens=8))
+    first, second = model.make_cache(), model.make_cache()
+    assert first[0] is not second[0] and first[0].offset == 0
+    prompt = mx.array(list(range(40)))
+    runs = [[int(t) for t, _ in generate_step(prompt, model, max_tokens=10)] for _ in range(2)]
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="head_dim"):
+        KVCacheBuilder.install(model, KVCacheConfig(head_dim=64))
