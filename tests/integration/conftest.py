@@ -14,8 +14,21 @@ tests/integration``) the tests still pass, only slower; calling
 
 from __future__ import annotations
 
+import pytest
+
 from qfilters_mlx.blas import enable_fast_blas
 
 # Returns the library when loaded now or by an earlier call (e.g. from
 # tests/conftest.py); warns (RuntimeWarning) and returns None if mlx came first.
 FAST_BLAS = enable_fast_blas()
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """SmolLM2-135M-Instruct prepared in the user cache folder (skipped without the wheel)."""
+    from qfilters_mlx.prepare_model import prepare_model
+
+    try:
+        return prepare_model()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 not available: {err}")

@@ -18,16 +18,6 @@ N_LAYERS, N_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M (DESIGN.md, "Real inp
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    from qfilters_mlx.prepare_model import prepare_model
-
-    try:
-        return prepare_model()
-    except FileNotFoundError as err:
-        pytest.skip(f"SmolLM2 not available: {err}")
-
-
-@pytest.fixture(scope="module")
 def model_and_tokenizer(model_path):
     from mlx_lm import load
 

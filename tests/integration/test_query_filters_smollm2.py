@@ -9,16 +9,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    from qfilters_mlx.prepare_model import prepare_model
-
-    try:
-        return prepare_model()
-    except FileNotFoundError as err:
-        pytest.skip(f"SmolLM2 not available: {err}")
-
-
-@pytest.fixture(scope="module")
 def filters_file(model_path, tmp_path_factory):
     from qfilters_mlx.cli import main
 
