@@ -7,7 +7,8 @@ For B=1, H_kv in {3, 8}, D in {64, 128}, T in {1024, 4096, 16384}, budget T/4
 * ``select``: sink/recent-masked top-k selection + compaction of keys and values;
 * ``evict``:  the whole eviction step (score + select + compact);
 
-for every available arm: ``reference``, ``cpp`` and, when the published
+for every available arm: ``reference``, ``cpp``, ``metal`` (only where Metal
+is present: the metallib, else the JIT kernels) and, when the published
 ``veloxquant-mlx`` package is installed (``bench`` extra), its Q-Filters path
 (``qfilters_update_batched``, the batched score + protected top-k + gather its
 cache runs on a CPU). Each op is also compared with ``copy``: a plain MLX copy
@@ -44,6 +45,18 @@ try:
     from qfilters_mlx import _ext
 except ImportError:  # not built: only the reference arm runs
     _ext = None
+
+
+def _metal_backend():
+    """The ``metal`` backend (metallib, else JIT) when Metal is present."""
+    if not mx.metal.is_available():
+        return None
+    from qfilters_mlx.metal_kernels import metal_backend
+
+    return metal_backend("auto")
+
+
+_METAL = _metal_backend()
 
 try:
     from veloxquant_mlx.quantizers.qfilters import qfilters_update_batched as _velox_update
@@ -147,6 +160,15 @@ def arms(x: Inputs) -> dict[tuple[str, str], Callable[[], object]]:
             x.scores, x.keys, x.values, c.budget, N_SINK, c.recent
         )
         out[("evict", "cpp")] = lambda: _cpp_evict(x)
+    if _METAL is not None:  # Metal GPU: inputs are read in place (unified memory)
+        m = _METAL
+        out[("score", "metal")] = lambda: m.projection_scores(x.keys, x.filters, SIGN)
+        out[("select", "metal")] = lambda: m.select_compact(
+            x.scores, x.keys, x.values, c.budget, N_SINK, c.recent
+        )
+        out[("evict", "metal")] = lambda: m.select_compact(
+            m.projection_scores(x.keys, x.filters, SIGN), x.keys, x.values, c.budget, N_SINK, c.recent
+        )
     if _velox_update is not None:
         out[("evict", "veloxquant")] = lambda: _velox_update(
             x.keys3, x.values3, x.filters, c.budget, N_SINK, c.recent, SIGN
@@ -198,7 +220,8 @@ def run(configs: list[Config] = CONFIGS) -> dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "python": sys.version.split()[0], "mlx": mx.__version__,
                     "device": str(mx.default_device())},
-        "arms_missing": {"cpp": _ext is None, "veloxquant": _velox_update is None},
+        "arms_missing": {"cpp": _ext is None, "metal": _METAL is None,
+                         "veloxquant": _velox_update is None},
         "rows": rows,
     }
 
@@ -226,9 +249,10 @@ def _pytest_params():
     params = []
     for cfg in CONFIGS:
         for op, arm in (
-            ("score", "reference"), ("score", "cpp"), ("score", "copy"),
-            ("select", "reference"), ("select", "cpp"), ("select", "copy"),
-            ("evict", "reference"), ("evict", "cpp"), ("evict", "veloxquant"), ("evict", "copy"),
+            ("score", "reference"), ("score", "cpp"), ("score", "metal"), ("score", "copy"),
+            ("select", "reference"), ("select", "cpp"), ("select", "metal"), ("select", "copy"),
+            ("evict", "reference"), ("evict", "cpp"), ("evict", "metal"), ("evict", "veloxquant"),
+            ("evict", "copy"),
         ):
             params.append(pytest.param(cfg, op, arm, id=f"{cfg.label}-{op}-{arm}"))
     return params
@@ -243,6 +267,8 @@ if "pytest" in sys.modules:
     def test_kernel_benchmark(benchmark, cfg, op, arm):
         if arm == "cpp" and _ext is None:
             pytest.skip("qfilters_mlx._ext is not built")
+        if arm == "metal" and _METAL is None:
+            pytest.skip("no Metal GPU")
         if arm == "veloxquant" and _velox_update is None:
             pytest.skip("veloxquant-mlx is not installed (pip install '.[bench]')")
         if cfg not in _INPUTS:

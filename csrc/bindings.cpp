@@ -5,6 +5,8 @@
 #include <tuple>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 
@@ -37,6 +39,13 @@ Args:
 
 Returns:
     array: ``[B, H, T]`` float32.)");
+
+  m.def(
+      "metal_library_path",
+      &qfilters::metal_library_path,
+      R"(Path of ``qfilters.metallib`` when this extension was built with Metal
+and the library is installed next to it (the ops then also run on GPU
+streams), else ``None``.)");
 
   m.def(
       "select_compact",

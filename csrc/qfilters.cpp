@@ -16,6 +16,14 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#ifdef _METAL_
+#include <dlfcn.h>
+
+#include <filesystem>
+
+#include "mlx/backend/metal/device.h"
+#endif
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define QF_X86_DISPATCH 1
@@ -57,11 +65,17 @@ bool is_score_dtype(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
-// The kernels run on the CPU. With no stream given we use the CPU's default
-// stream even when the default device is a GPU (Apple silicon memory is
-// unified, so MLX orders the cross-stream dependency itself).
+// With no stream given the kernels run on the CPU's default stream even when
+// the default device is a GPU (Apple silicon memory is unified, so MLX orders
+// the cross-stream dependency itself). A GPU stream is accepted only when the
+// extension was built with Metal (eval_gpu dispatches metal/qfilters.metal).
 mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s, mx::Device::cpu);
+#ifdef _METAL_
+  if (stream.device.type == mx::Device::gpu) {
+    return stream;
+  }
+#endif
   if (stream.device.type != mx::Device::cpu) {
     fail(op,
          "the compiled kernels run on the CPU only (this extension has no GPU "
@@ -542,38 +556,187 @@ void SelectCompact::eval_cpu(const std::vector<mx::array>& inputs,
 }
 
 // ---------------------------------------------------------------------------
-// Primitives: GPU. The ops only build these primitives on CPU streams, so
-// eval_gpu is reached only if a graph is moved to a GPU stream by hand.
+// Primitives: GPU (Metal builds only). The kernels are metal/qfilters.metal,
+// compiled into qfilters.metallib next to this module; buffer indices match
+// the signatures there, launch geometry matches
+// python/qfilters_mlx/metal_kernels.py (grid counts threads; whole
+// threadgroups).
 // ---------------------------------------------------------------------------
 
 #ifdef _METAL_
-void ProjectionScores::eval_gpu(const std::vector<mx::array>&,
-                                std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "[qfilters.projection_scores] this extension evaluates on the CPU "
-      "stream only; the Metal kernels live in the metal backend");
+
+namespace {
+
+constexpr int kSimd = 32;
+constexpr int kScoreTg = 256;
+constexpr int kGatherTg = 256;
+constexpr int kSelectMaxTg = 512;
+constexpr int kMaxScoreGroups = 2048;
+constexpr int kMaxGatherGroups = 4096;
+
+// Folder of this shared object: qfilters.metallib is installed beside it.
+std::string binary_dir() {
+  static std::string dir = []() {
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<void*>(&binary_dir), &info)) {
+      throw std::runtime_error("[qfilters] cannot locate the extension module");
+    }
+    return std::filesystem::path(info.dli_fname).parent_path().string();
+  }();
+  return dir;
 }
 
-void SelectCompact::eval_gpu(const std::vector<mx::array>&,
-                             std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "[qfilters.select_compact] this extension evaluates on the CPU stream "
-      "only; the Metal kernels live in the metal backend");
+MTL::ComputePipelineState* get_kernel(mx::metal::Device& d,
+                                      const std::string& name) {
+  auto* lib = d.get_library("qfilters", binary_dir());
+  return d.get_kernel(name, lib);
 }
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+void check_index_range(const char* op, const mx::array& a) {
+  if (a.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throw std::invalid_argument(
+        std::string("[") + op +
+        "] arrays beyond 2^31 elements are not supported on the GPU");
+  }
+}
+
+const char* storage_name(size_t itemsize) {
+  switch (itemsize) {
+    case 1: return "uint8";
+    case 2: return "uint16";
+    case 4: return "uint32";
+    case 8: return "uint64";
+    default:
+      throw std::invalid_argument(
+          "[qfilters.select_compact] unsupported element size on the GPU");
+  }
+}
+
+void dispatch_gather(mx::metal::Device& d, mx::metal::CommandEncoder& enc,
+                     const mx::array& src, const mx::array& kept,
+                     mx::array& out) {
+  if (out.size() == 0) {
+    return;
+  }
+  auto* kernel = get_kernel(
+      d, std::string("qfilters_gather_") + storage_name(src.itemsize()));
+  enc.set_compute_pipeline_state(kernel);
+  enc.set_input_array(src, 0);
+  enc.set_vector_bytes(src.shape(), 1);
+  enc.set_vector_bytes(src.strides(), 2);
+  enc.set_input_array(kept, 3);
+  enc.set_vector_bytes(kept.shape(), 4);
+  enc.set_output_array(out, 5);
+  const int64_t groups = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(out.size(), kGatherTg), kMaxGatherGroups));
+  enc.dispatch_threads(MTL::Size(groups * kGatherTg, 1, 1),
+                       MTL::Size(kGatherTg, 1, 1));
+}
+
+} // namespace
+
+void ProjectionScores::eval_gpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  const mx::array& keys = inputs[0];
+  const mx::array& filters = inputs[1];
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) {
+    return;
+  }
+  check_index_range("qfilters.projection_scores", keys);
+  const char* dt = keys.dtype() == mx::float32
+      ? "float32"
+      : (keys.dtype() == mx::float16 ? "float16" : "bfloat16");
+  auto& s = stream();
+  auto& d = mx::metal::device(s.device);
+  auto* kernel = get_kernel(d, std::string("qfilters_score_") + dt);
+  auto& enc = mx::metal::get_command_encoder(s);
+  enc.set_compute_pipeline_state(kernel);
+  enc.set_input_array(keys, 0);
+  enc.set_vector_bytes(keys.shape(), 1);
+  enc.set_vector_bytes(keys.strides(), 2);
+  enc.set_input_array(filters, 3);
+  enc.set_vector_bytes(filters.strides(), 4);
+  enc.set_bytes(sign_, 5);
+  enc.set_output_array(out, 6);
+  const int64_t rows = static_cast<int64_t>(out.size());
+  const int64_t groups = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(rows, kScoreTg / kSimd), kMaxScoreGroups));
+  enc.dispatch_threads(MTL::Size(groups * kScoreTg, 1, 1),
+                       MTL::Size(kScoreTg, 1, 1));
+}
+
+void SelectCompact::eval_gpu(const std::vector<mx::array>& inputs,
+                             std::vector<mx::array>& outputs) {
+  const mx::array& scores = inputs[0];
+  const mx::array& keys = inputs[1];
+  const mx::array& values = inputs[2];
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
+  mx::array& kept = outputs[0];
+  if (kept.size() == 0) {
+    return;
+  }
+  check_index_range("qfilters.select_compact", keys);
+  check_index_range("qfilters.select_compact", values);
+  auto& s = stream();
+  auto& d = mx::metal::device(s.device);
+  auto& enc = mx::metal::get_command_encoder(s);
+
+  // 1. Selection: one threadgroup per (batch, head) row.
+  const int B = scores.shape(0), H = scores.shape(1), T_ = scores.shape(2);
+  const int tg = static_cast<int>(std::min<int64_t>(
+      kSelectMaxTg, std::max<int64_t>(kSimd, ceil_div(T_, kSimd) * kSimd)));
+  auto* select = get_kernel(d, "qfilters_select");
+  enc.set_compute_pipeline_state(select);
+  enc.set_input_array(scores, 0);
+  enc.set_vector_bytes(scores.shape(), 1);
+  enc.set_vector_bytes(scores.strides(), 2);
+  enc.set_vector_bytes(std::vector<int>{budget_, n_sink_, recent_}, 3);
+  enc.set_output_array(kept, 4);
+  enc.dispatch_threads(
+      MTL::Size(static_cast<int64_t>(tg) * B * H, 1, 1), MTL::Size(tg, 1, 1));
+
+  // 2. Bit-exact gathers (the encoder orders them after the selection,
+  //    whose output they read).
+  dispatch_gather(d, enc, keys, kept, outputs[1]);
+  dispatch_gather(d, enc, values, kept, outputs[2]);
+}
+
+std::optional<std::string> metal_library_path() {
+  const auto p = std::filesystem::path(binary_dir()) / "qfilters.metallib";
+  if (std::filesystem::exists(p)) {
+    return p.string();
+  }
+  return std::nullopt;
+}
+
 #else
+
 void ProjectionScores::eval_gpu(const std::vector<mx::array>&,
                                 std::vector<mx::array>&) {
   throw std::runtime_error(
-      "[qfilters.projection_scores] no GPU implementation: MLX was built "
-      "without Metal; use the CPU stream");
+      "[qfilters.projection_scores] no GPU implementation: this extension was "
+      "built without Metal; use the CPU stream");
 }
 
 void SelectCompact::eval_gpu(const std::vector<mx::array>&,
                              std::vector<mx::array>&) {
   throw std::runtime_error(
-      "[qfilters.select_compact] no GPU implementation: MLX was built "
-      "without Metal; use the CPU stream");
+      "[qfilters.select_compact] no GPU implementation: this extension was "
+      "built without Metal; use the CPU stream");
 }
+
+std::optional<std::string> metal_library_path() {
+  return std::nullopt;
+}
+
 #endif
 
 // ---------------------------------------------------------------------------

@@ -18,6 +18,8 @@
 // position is kept.
 #pragma once
 
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -44,6 +46,11 @@ std::vector<mx::array> select_compact(
     int n_sink,
     int recent,
     mx::StreamOrDevice s = {});
+
+// Path of qfilters.metallib when this extension was built with Metal and the
+// library is installed next to it (then the ops accept GPU streams and
+// eval_gpu runs metal/qfilters.metal); otherwise nullopt.
+std::optional<std::string> metal_library_path();
 
 class ProjectionScores : public mx::Primitive {
  public:

@@ -57,6 +57,15 @@ def _metal_available() -> bool:
     return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
+def _metal_backend() -> Backend:
+    """Metal kernels: the metallib built with the extension when installed,
+    else the same kernel source through ``mx.fast.metal_kernel`` (see
+    :mod:`qfilters_mlx.metal_kernels`). Raises ValueError without Metal."""
+    from .metal_kernels import metal_backend
+
+    return metal_backend("auto")
+
+
 def get_backend(name: str = "auto") -> Backend:
     """Resolve a backend by name.
 
@@ -68,8 +77,8 @@ def get_backend(name: str = "auto") -> Backend:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "reference":
         return REFERENCE
-    if name == "metal":
-        raise ValueError("backend='metal' is not available: the Metal kernels are not built yet")
+    if name == "metal" or (name == "auto" and _metal_available()):
+        return _metal_backend()
     cpp = _cpp_backend()
     if name == "cpp":
         if cpp is None:
