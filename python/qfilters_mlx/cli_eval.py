@@ -1,0 +1,181 @@
+"""``qfilters-mlx eval``: the command-line layer of the model-level evaluation.
+
+Loads the model and the text, reads/writes the results files and prints
+(DESIGN.md: only the command line does I/O); the measuring is in
+:mod:`qfilters_mlx.evaluation`, the tables and plot in
+:mod:`qfilters_mlx.eval_report`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+TEXT_DESCRIPTION = (
+    "CPython's reference documentation, pydoc_data/topics.py of Python {py} (the `topics` dict's "
+    "values joined in sorted key order with blank lines; PSF documentation licence). Perplexity and "
+    "score quality use its first tokens; retrieval contexts start at the first paragraph after "
+    "character {offset}."
+)
+
+
+def add_parser(sub) -> None:
+    """Add the ``eval`` subcommand to ``sub`` (an argparse subparsers object)."""
+    ev = sub.add_parser(
+        "eval",
+        help="model-level evaluation: streaming perplexity, pass-key retrieval, score quality",
+        description=(
+            "Every arm (Q-Filters key-SVD sign +1/-1, L2Norm, random, each with recent 0, budget/4, "
+            "budget/2; StreamingLLM; full cache) on SmolLM2-135M-Instruct and CPython's pydoc_data "
+            "text. Resumable: cells already in --out are skipped."
+        ),
+    )
+    ev.set_defaults(_parser=ev)
+    ev.add_argument("--model", default=None, help="mlx-lm model folder (default: prepared SmolLM2)")
+    ev.add_argument("--out", default=None, metavar="JSON",
+                    help="results file (default bench/results/eval_smollm2.json, or eval_quick.json "
+                         "with --quick); the .md table and .png plot are written next to it")
+    ev.add_argument("--quick", action="store_true",
+                    help="small sizes (a few minutes) plus sanity checks; exit status 1 if one fails")
+    ev.add_argument("--report-only", action="store_true",
+                    help="rewrite the .md and .png from an existing --out without running")
+    ev.add_argument("--parts", default="score_quality,perplexity,retrieval",
+                    help="comma-separated measures to run (default: all, in this order)")
+    ev.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def _command(args) -> str:
+    parts = ["qfilters-mlx", "eval"]
+    if args.quick:
+        parts.append("--quick")
+    if args.out:
+        parts += ["--out", args.out]
+    if args.parts != "score_quality,perplexity,retrieval":
+        parts += ["--parts", args.parts]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _write_report(out: Path, results: dict, command: str) -> None:
+    from .eval_report import figure, markdown
+
+    out.with_suffix(".md").write_text(markdown(results, command) + "\n")
+    fig = figure(results)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def run(parser, args) -> int:
+    default = "bench/results/eval_quick.json" if args.quick else "bench/results/eval_smollm2.json"
+    out = Path(args.out or default)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    command = _command(args)
+    if args.report_only:
+        if not results:
+            parser.error(f"--report-only: {out} does not exist")
+        _write_report(out, results, command)
+        print(out.with_suffix(".md").read_text())
+        return 0
+
+    if args.model is None:
+        from .prepare_model import prepare_model
+
+        try:
+            model_path = prepare_model()
+        except FileNotFoundError as err:
+            parser.error(f"no --model given and the default model cannot be prepared: {err}")
+    else:
+        model_path = Path(args.model)
+        if not model_path.is_dir():
+            parser.error(f"--model: {args.model} is not a model folder")
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from .capture import capture_attention
+    from .evaluation import EvalSettings, check_quick, run_evaluation, streaming_nll
+    from .prompts import source_text
+
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    unknown = set(parts) - {"score_quality", "perplexity", "retrieval"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}")
+    settings = EvalSettings.quick_settings() if args.quick else EvalSettings.full()
+    model, tokenizer = load(str(model_path))
+    try:
+        text = source_text()
+    except RuntimeError as err:
+        parser.error(str(err))
+    results.setdefault("meta", {}).update({
+        "model": str(model_path.name),
+        "text": TEXT_DESCRIPTION.format(py=".".join(map(str, sys.version_info[:3])),
+                                        offset=settings.retrieval_text_offset),
+        "command": command,
+    })
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=0, unit="call", dynamic_ncols=True, file=sys.stderr)
+
+    def set_total(n):
+        if bar is not None:
+            bar.total = n
+            bar.refresh()
+
+    def progress(n, desc):
+        if bar is not None:
+            bar.set_description(desc, refresh=False)
+            bar.update(n)
+
+    times = results["meta"].setdefault("seconds", {})
+
+    def save(r):
+        times["total"] = times.get("total", 0.0) + (time.perf_counter() - save.t)
+        save.t = time.perf_counter()
+        _write_json(out, r)
+
+    save.t = time.perf_counter()
+    try:
+        run_evaluation(model, tokenizer, text, settings, results, save=save, progress=progress,
+                       set_total=set_total, capture=capture_attention, parts=parts)
+    except ValueError as err:
+        parser.error(f"{out}: {err}")
+    finally:
+        if bar is not None:
+            bar.close()
+
+    status = 0
+    if args.quick and "perplexity" in parts:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        # Independent of the harness's full-cache path: plain mlx-lm KVCache, one token at a time.
+        n = settings.ppl_prefix + settings.ppl_scored
+        tokens = tokenizer.encode(text, add_special_tokens=False)[:n]
+        nll = streaming_nll(model, tokens, make_prompt_cache(model), settings.ppl_prefix)
+        full = results["perplexity"]["full"]["ppl"]
+        stream = float(mx.exp(mx.array(sum(nll) / len(nll))).item())
+        checks = {"full_matches_kvcache_streaming": abs(stream - full) <= 1e-3 * full}
+        checks.update(check_quick(results))
+        results["checks"] = {**checks, "kvcache_streaming_ppl": stream}
+        _write_json(out, results)
+        for name, ok in checks.items():
+            print(f"check {name}: {'ok' if ok else 'FAILED'}")
+        status = 0 if all(checks.values()) else 1
+    _write_report(out, results, command)
+    print(out.with_suffix(".md").read_text())
+    print(f"results: {out}  table: {out.with_suffix('.md')}  plot: {out.with_suffix('.png')}")
+    return status

@@ -1,0 +1,92 @@
+"""``qfilters-mlx eval --quick`` on SmolLM2 (CI): the sanity checks hold against independent references.
+
+* the full-cache perplexity equals one plain mlx-lm forward pass (no cache) over the same tokens;
+* with budget >= length every arm equals the full cache;
+* the random arm is seeded: rerun alone it gives the same NLLs;
+* every cell of the quick protocol is present, the table and plot are written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    from qfilters_mlx.prepare_model import prepare_model
+
+    try:
+        prepare_model()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 not available: {err}")
+    from qfilters_mlx.cli import main
+
+    out = tmp_path_factory.mktemp("eval") / "eval_quick.json"
+    status = main(["eval", "--quick", "--no-progress", "--out", str(out)])
+    return status, out, json.loads(out.read_text())
+
+
+def test_quick_checks_pass(quick_run):
+    status, out, res = quick_run
+    assert status == 0
+    assert res["checks"]["full_matches_kvcache_streaming"]
+    assert res["checks"]["budget_covers_length_equals_full"]
+    assert res["checks"]["random_reproducible"]
+    assert out.with_suffix(".md").read_text().startswith("Command: `qfilters-mlx eval --quick")
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_full_cache_equals_one_plain_forward_pass(quick_run):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from qfilters_mlx.prepare_model import prepare_model
+    from qfilters_mlx.prompts import source_text
+
+    _, _, res = quick_run
+    s = res["settings"]
+    model, tokenizer = load(str(prepare_model()))
+    n = s["ppl_prefix"] + s["ppl_scored"]
+    toks = tokenizer.encode(source_text(), add_special_tokens=False)[:n]
+    assert res["text_tokens"]["perplexity"] == [0, n]
+    logits = model(mx.array(toks[:-1])[None])[0].astype(mx.float32)  # no cache at all
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    nll = -mx.take_along_axis(logp, mx.array(toks[1:])[:, None], axis=-1)[:, 0]
+    want = math.exp(mx.mean(nll[s["ppl_prefix"] - 1 :]).item())
+    assert res["perplexity"]["full"]["ppl"] == pytest.approx(want, rel=1e-3)
+    assert res["checks"]["kvcache_streaming_ppl"] == pytest.approx(want, rel=1e-3)
+    # real English prose on a 135M model: a sane range, not a degenerate one
+    assert 3 < want < 60
+
+
+def test_cells_and_budget_covering_length(quick_run):
+    from qfilters_mlx.eval_arms import default_arms
+
+    _, _, res = quick_run
+    s = res["settings"]
+    p = res["perplexity"]
+    full = p["full"]
+    names = [a.name for a in default_arms()]
+    for b in [*s["budgets"], s["check_budget"]]:
+        for name in names:
+            cell = p[f"{name}@{b}"]
+            assert cell["n_scored"] == s["ppl_scored"]
+    for name in names:
+        cover = p[f"{name}@{s['check_budget']}"]
+        assert cover["ppl"] == pytest.approx(full["ppl"], rel=1e-3)
+        assert max(abs(a - b) for a, b in zip(cover["nll"], full["nll"])) < 1e-3
+    # at the evicting budget, recent=0 Q-Filters differs from the full cache (eviction happened)
+    assert p[f"qfilters-keys+1@r0@{s['budgets'][0]}"]["ppl"] > 1.2 * full["ppl"]
+    r = res["retrieval"]
+    assert any(k.startswith("full@") for k in r) and len(r) == 1 + 5 * len(s["budgets"])
+    assert all(len(c["key"]) == 5 and c["correct"] == (c["key"] in c["answer"]) for c in r.values())
+    sq = res["score_quality"][str(s["sq_cached"][0])]
+    assert len(sq) == 30 and all(len(v["l2norm"]) == 3 for v in sq.values())
+    for layer in sq.values():  # the two signs of one filter rank tokens in exactly opposite orders
+        for a, b in zip(layer["qfilters-keys+1"], layer["qfilters-keys-1"]):
+            assert a == pytest.approx(-b, abs=1e-9) or (math.isnan(a) and math.isnan(b))
