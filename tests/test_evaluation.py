@@ -213,3 +213,12 @@ def test_retrieval_prompt_places_the_needle():
         assert sum(w.startswith("para") for w in words) == 20
         assert " ".join(words[-8:-1]) == "Question: " + QUESTION
     assert NEEDLE.format(key="1").startswith("The secret pass key is 1")
+
+
+def test_settings_compare_equal_after_a_json_round_trip():
+    import json
+
+    from qfilters_mlx.evaluation import EvalSettings
+
+    s = EvalSettings.full()
+    assert json.loads(json.dumps(s.to_json())) == s.to_json()

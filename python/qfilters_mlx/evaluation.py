@@ -25,6 +25,7 @@ plain ``dict`` (JSON-serialisable) and skips cells already present.
 
 from __future__ import annotations
 
+import json
 import math
 import random as _random
 from dataclasses import asdict, dataclass, field
@@ -418,7 +419,8 @@ class EvalSettings:
                    retrieval_chunk=32, sq_tokens=160, sq_cached=(96,), sq_window=32, quick=True)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The settings as they read back from a JSON file (tuples become lists)."""
+        return json.loads(json.dumps(asdict(self)))
 
 
 @dataclass
