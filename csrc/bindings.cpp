@@ -10,6 +10,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 
+#include "decode_select.h"
 #include "qfilters.h"
 
 namespace nb = nanobind;
@@ -82,4 +83,40 @@ Args:
 Returns:
     tuple: ``(kept [B, H, K] int32 ascending, keys [B, H, K, Dk],
     values [B, H, K, Dv])`` with ``K = min(budget, T)``, bit-exact rows.)");
+
+  m.def(
+      "write_slot",
+      &qfilters::write_slot,
+      "buf"_a,
+      "rows"_a,
+      "free"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(``buf [B, H, S, D]`` with row ``free[b, h]`` replaced by ``rows [B, H, 1, D]``.
+
+Reuses ``buf``'s memory when nothing else holds it (see reference.write_slot).)");
+
+  m.def(
+      "decode_select",
+      [](const mlx::core::array& scores, const mlx::core::array& positions,
+         const mlx::core::array& new_scores, const mlx::core::array& free,
+         int64_t position, int n_sink, int recent,
+         mlx::core::StreamOrDevice s) {
+        auto o = qfilters::decode_select(scores, positions, new_scores, free,
+                                         position, n_sink, recent, s);
+        return std::make_tuple(o[0], o[1], o[2]);
+      },
+      "scores"_a,
+      "positions"_a,
+      "new_scores"_a,
+      "free"_a,
+      "position"_a,
+      "n_sink"_a,
+      "recent"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(Decode-step bookkeeping of the slot cache (see reference.decode_select).
+
+Records the new token's score and position in slot ``free[b, h]`` and returns
+``(scores, positions, victim)``; ``victim [B, H]`` is the slot to free next.)");
 }

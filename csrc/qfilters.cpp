@@ -3,6 +3,8 @@
 // oracle the tests compare against.
 
 #include "qfilters.h"
+#include "validate.h"
+#include "order.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,58 +33,22 @@
 
 namespace qfilters {
 
+using detail::check_ndim;
+using detail::ordered_score;
+using detail::cpu_stream;
+using detail::fail;
+using detail::shape_str;
+
 namespace {
 
 // ---------------------------------------------------------------------------
 // Validation helpers
 // ---------------------------------------------------------------------------
 
-std::string shape_str(const mx::array& a) {
-  std::ostringstream os;
-  os << "(";
-  for (int i = 0; i < a.ndim(); ++i) {
-    os << (i ? ", " : "") << a.shape(i);
-  }
-  os << (a.ndim() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-[[noreturn]] void fail(const char* op, const std::string& msg) {
-  throw std::invalid_argument(std::string("[") + op + "] " + msg);
-}
-
-void check_ndim(const char* op, const char* name, const mx::array& a, int ndim,
-                const char* layout) {
-  if (a.ndim() != ndim) {
-    std::ostringstream os;
-    os << name << " must have " << ndim << " dimensions " << layout
-       << ", got shape " << shape_str(a);
-    fail(op, os.str());
-  }
-}
-
 bool is_score_dtype(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
-// With no stream given the kernels run on the CPU's default stream even when
-// the default device is a GPU (Apple silicon memory is unified, so MLX orders
-// the cross-stream dependency itself). A GPU stream is accepted only when the
-// extension was built with Metal (eval_gpu dispatches metal/qfilters.metal).
-mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
-  mx::Stream stream = mx::to_stream(s, mx::Device::cpu);
-#ifdef _METAL_
-  if (stream.device.type == mx::Device::gpu) {
-    return stream;
-  }
-#endif
-  if (stream.device.type != mx::Device::cpu) {
-    fail(op,
-         "the compiled kernels run on the CPU only (this extension has no GPU "
-         "implementation); pass stream=mx.cpu or use the metal backend");
-  }
-  return stream;
-}
 
 // ---------------------------------------------------------------------------
 // Scoring kernel
@@ -258,18 +224,6 @@ void score_kernel(const mx::array& keys, const mx::array& filters,
 // Selection + compaction kernel
 // ---------------------------------------------------------------------------
 
-// An order-preserving map of a float32 score to uint32: negative values are
-// bit-inverted, the others get the sign bit set. NaN is mapped to -inf first
-// and -0.0 to +0.0, as in the reference (NaN ranks lowest, -0.0 == +0.0).
-// Branch-free so that the loops filling the key buffers vectorise.
-inline uint32_t ordered_score(float s) {
-  uint32_t bits;
-  std::memcpy(&bits, &s, sizeof(bits));
-  bits = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0xFF800000u : bits;
-  bits = bits == 0x80000000u ? 0u : bits;
-  const uint32_t neg = 0u - (bits >> 31);
-  return bits ^ (neg | 0x80000000u);
-}
 
 // Selection of one row: writes the kept positions, ascending, to `kept`.
 // Forced: [0, lo) and [hi, T). Among the candidates [lo, hi) the n_pick

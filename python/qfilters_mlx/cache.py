@@ -18,12 +18,17 @@ Because the filter comes from a fixed set of keys and selection is a pure
 function of (scores, number of tokens fed), the kept set does not depend on how
 the input was chunked.
 
-Cost per decode step once full (per layer): scoring ``B * H_kv * D``
-multiply-adds; selection ``O(budget)`` per (row, head) through partial
-selection (no sort of the kept set); data movement: appending the new row
-(the buffer grows in 256-token steps, or one copy of the kept rows when the
-buffer is full) plus one gather of the ``budget`` kept rows
-(``2 * B * budget * H_kv * D * itemsize`` bytes).
+Cost per decode step once full (per layer), in *slot mode*: the cache then
+holds ``budget + 1`` slots per (row, head), all attended to, one of which the
+next token overwrites (attention does not depend on key order; the kept set is
+the one :func:`reference.select_keep` gives, see :func:`reference.decode_select`).
+A step scores one key (``B * H_kv * D`` multiply-adds), writes its K/V row into
+the free slot (``write_slot``, in place in the cpp backend: ``2 * B * H_kv * D
+* itemsize`` bytes), and finds the next slot to free with one ``O(budget)`` scan
+of the scores per (row, head), copying the float32 scores and int64 positions
+(``12 * B * H_kv * (budget + 1)`` bytes). No K/V compaction and no sort. Any
+multi-token call, ``state``, ``kept_positions()`` or a window mask first puts
+the rows back in temporal order (one argsort + gather, ``O(budget log budget)``).
 """
 
 from __future__ import annotations
@@ -101,6 +106,10 @@ class QFiltersKVCache(_BaseCache):
         self.offset = 0
         self._n = 0  # live rows
         self.evicted = False
+        # Slot mode (single-token decode after an eviction): budget + 1 slots, all
+        # attended to; `_free [B, H]` is the slot the next token overwrites. Rows
+        # are then not in temporal order; `_leave_slots` restores it.
+        self._free = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -228,6 +237,52 @@ class QFiltersKVCache(_BaseCache):
         n = self._n
         self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
 
+    def _decode_step(self, keys, values):
+        """Single-token update once the cache is full: write the token into the free
+        slot (``backend.write_slot``, in place in the cpp backend) and pick the next
+        slot to free (``backend.decode_select``)."""
+        c = self.config
+        if self._free is None:  # enter slot mode: one spare row after the kept ones
+            n = self._n
+            spare = lambda buf: mx.concatenate([buf[:, :, :n], buf[:, :, :1]], axis=2)  # noqa: E731
+            self.keys, self.values = spare(self.keys), spare(self.values)
+            self.scores, self.positions = spare(self.scores), spare(self.positions)
+            B, H = self.keys.shape[:2]
+            self._free = mx.full((B, H), n, dtype=mx.int32)
+        pos = None
+        if self.method in ("random", "streaming_llm"):
+            B, H = keys.shape[:2]
+            pos = mx.full((B, H, 1), self.offset, dtype=mx.int64)
+        new_scores = insertion_scores(
+            c.method, keys, pos, filters=self.filter, sign=c.score_sign, seed=c.qfilters_seed,
+            layer=self.layer_idx, backend=self.backend, finite=False,
+        )
+        free = self._free
+        self.keys = self.backend.write_slot(self.keys, keys, free)
+        self.values = self.backend.write_slot(self.values, values, free)
+        self.scores, self.positions, self._free = self.backend.decode_select(
+            self.scores, self.positions, new_scores, free, self.offset,
+            c.qfilters_n_sink, c.protected_recent,
+        )
+        self.offset += 1
+        return self.keys, self.values
+
+    def _leave_slots(self) -> None:
+        """Back from slot mode to ``budget`` rows in temporal order (drops the free slot)."""
+        if self._free is None:
+            return
+        S = self.keys.shape[2]
+        slot = mx.arange(S, dtype=mx.int32)[None, None, :]
+        big = mx.array(2**62, dtype=mx.int64)
+        key = mx.where(slot == self._free[:, :, None], big, self.positions)
+        order = mx.argsort(key, axis=2)[:, :, : S - 1]
+        take = lambda buf: mx.take_along_axis(  # noqa: E731
+            buf, order[..., None] if buf.ndim == 4 else order, axis=2)
+        self.keys, self.values = take(self.keys), take(self.values)
+        self.scores, self.positions = take(self.scores), take(self.positions)
+        self._free = None
+        self._n = S - 1
+
     def _evict(self) -> None:
         c = self.config
         n = self._n
@@ -259,6 +314,9 @@ class QFiltersKVCache(_BaseCache):
         """
         self._validate(keys, values)
         L = keys.shape[2]
+        if L == 1 and self.evicted:
+            return self._decode_step(keys, values)
+        self._leave_slots()
         self._append(keys, values)
         self.offset += L
         if (not self.scoring_ready and not self._calibrates_from_queries
@@ -305,7 +363,8 @@ class QFiltersKVCache(_BaseCache):
 
     @property
     def state(self):
-        """``(keys, values, scores, positions, filter, meta)``: the live rows and a JSON string.
+        """``(keys, values, scores, positions, filter, meta)``: the live rows in
+        temporal order and a JSON string.
 
         ``meta`` carries the configuration and the scalar attributes (offset,
         layer index, eviction flag) so that mlx-lm's ``save_prompt_cache`` /
@@ -313,6 +372,7 @@ class QFiltersKVCache(_BaseCache):
         registered in ``mlx_lm.models.cache`` for ``load_prompt_cache``).
         Arrays are ``None`` while the cache is empty.
         """
+        self._leave_slots()
         n = self._n
         live = (lambda a: None if a is None else a[:, :, :n])  # noqa: E731
         cfg = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
@@ -330,6 +390,7 @@ class QFiltersKVCache(_BaseCache):
 
     @state.setter
     def state(self, v):
+        self._free = None
         keys, values, scores, positions, filt, meta = v
         meta = json.loads(meta)
         self.config = KVCacheConfig(**meta["config"])
@@ -387,6 +448,7 @@ class QFiltersKVCache(_BaseCache):
             return None if N == 1 else "causal"
         if not self.evicted:
             return create_causal_mask(N, S, window_size=window_size)
+        self._leave_slots()
         if self.method not in ("streaming_llm", "full"):
             raise ValueError(
                 "window_size masks are not supported after per-head eviction "
@@ -447,6 +509,7 @@ class QFiltersKVCache(_BaseCache):
 
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
+        self._leave_slots()
         return self.positions[:, :, : self._n]
 
 

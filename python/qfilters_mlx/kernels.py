@@ -1,12 +1,18 @@
 """One dispatch point for the eviction hot path.
 
-A *backend* provides three operations with the exact semantics of
+A *backend* provides these operations with the exact semantics of
 :mod:`qfilters_mlx.reference` (same tie-break, same dtypes):
 
 * ``projection_scores(keys [B,H,T,D], filters [H,D] f32, sign) -> [B,H,T] f32``
 * ``select_compact(scores [B,H,T] f32, keys, values, budget, n_sink, recent)
   -> (kept [B,H,K] int32 ascending, keys [B,H,K,D], values [B,H,K,Dv])`` with
   ``K = min(budget, T)``.
+* ``decode_select(scores, positions, new_scores, free, position, n_sink, recent)
+  -> (scores, positions, victim)``: the bookkeeping of one decode step of the
+  slot cache (see :func:`qfilters_mlx.reference.decode_select`), and
+  ``write_slot(buf, rows, free)``: the new K/V row into the free slot; each one
+  primitive in the cpp backend (write_slot reuses the buffer in place), the
+  reference elsewhere.
 
 Backends: ``"reference"`` (pure MLX, always available), ``"cpp"`` (the compiled
 extension ``qfilters_mlx._ext``), ``"metal"`` (Metal kernels). ``"auto"`` picks
@@ -34,6 +40,8 @@ class Backend:
     name: str
     projection_scores: Callable[[mx.array, mx.array, int], mx.array]
     select_compact: Callable[..., tuple[mx.array, mx.array, mx.array]]
+    decode_select: Callable[..., tuple] = reference.decode_select
+    write_slot: Callable[..., mx.array] = reference.write_slot
 
 
 def _reference_select_compact(scores, keys, values, budget, n_sink, recent):
@@ -50,7 +58,8 @@ def _cpp_backend() -> Backend | None:
         from . import _ext  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return Backend("cpp", _ext.projection_scores, _ext.select_compact)
+    return Backend("cpp", _ext.projection_scores, _ext.select_compact, _ext.decode_select,
+                   _ext.write_slot)
 
 
 def _metal_available() -> bool:

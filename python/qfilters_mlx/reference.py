@@ -29,6 +29,8 @@ __all__ = [
     "l2norm_scores",
     "select_keep",
     "compact",
+    "write_slot",
+    "decode_select",
 ]
 
 
@@ -242,3 +244,50 @@ def compact(keys: mx.array, values: mx.array, kept: mx.array) -> tuple[mx.array,
     _check_ndim("kept", kept, 3)
     idx = kept[..., None]
     return mx.take_along_axis(keys, idx, axis=2), mx.take_along_axis(values, idx, axis=2)
+
+
+def write_slot(buf: mx.array, rows: mx.array, free: mx.array) -> mx.array:
+    """``buf [B, H, S, D]`` with row ``free[b, h]`` replaced by ``rows [B, H, 1, D]``
+    (a scatter: MLX updates ``buf`` in place when nothing else holds it)."""
+    return mx.put_along_axis(buf, free.astype(mx.int32)[:, :, None, None], rows, axis=2)
+
+
+def decode_select(scores, positions, new_scores, free, position: int, n_sink: int, recent: int):
+    """Bookkeeping of one decode step of the slot-based eviction cache.
+
+    The cache holds ``S = budget + 1`` slots per (batch row, KV head), one of
+    them free. The new token goes into the free slot (its K/V rows by
+    :func:`write_slot`; its score and position here), after which all ``S``
+    slots are live and attended to. Then the slot to free next is chosen: the
+    lowest-ranked slot whose position is neither a sink (``< n_sink``) nor in
+    the recent window (``>= position + 1 - recent``), with the ranking of
+    :func:`select_keep` (lowest score; among equal scores the *later* position
+    goes first). Repeating this keeps exactly the set :func:`select_keep`
+    keeps over all tokens seen (by induction: the top ``m`` of a set plus one
+    element is the old top ``m`` plus that element minus the lowest).
+
+    Args:
+        scores: ``[B, H, S]`` float32; positions: ``[B, H, S]`` int64.
+        new_scores: ``[B, H, 1]`` (non-finite values are stored as ``-inf``).
+        free: ``[B, H]`` int32 slot being written.
+        position: absolute position of the new token.
+        n_sink, recent: as in :func:`select_keep` (``n_sink + recent < S``).
+
+    Returns:
+        ``(scores, positions, victim [B, H] int32)``.
+    """
+    idx = free.astype(mx.int32)[:, :, None]
+    s_new = new_scores.astype(mx.float32)
+    s_new = mx.where(mx.isfinite(s_new), s_new, -mx.inf)
+    scores = mx.put_along_axis(scores, idx, s_new, axis=2)
+    positions = mx.put_along_axis(positions, idx, mx.full(idx.shape, position, dtype=mx.int64), axis=2)
+    s = mx.where(scores == 0, 0.0, scores)
+    bits = mx.view(s, mx.uint32)
+    ordered = mx.where((bits >> 31) == 1, ~bits, bits | mx.array(0x80000000, mx.uint32))
+    # ascending key = (score, -position): the minimum is the lowest score, latest position
+    later = (positions - positions.min()).astype(mx.uint64)
+    key = (ordered.astype(mx.uint64) << 32) | (mx.array(0xFFFFFFFF, mx.uint64) - later)
+    evictable = (positions >= n_sink) & (positions < position + 1 - recent)
+    top = (mx.array(0xFFFFFFFF, mx.uint32).astype(mx.uint64) << 32) | 0xFFFFFFFF
+    victim = mx.argmin(mx.where(evictable, key, top), axis=-1).astype(mx.int32)
+    return scores, positions, victim

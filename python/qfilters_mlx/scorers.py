@@ -59,8 +59,9 @@ def random_scores(positions: mx.array, seed: int, layer: int) -> mx.array:
     return (h >> 8).astype(mx.float32) * (1.0 / (1 << 24))
 
 
-def insertion_scores(method: str, keys: mx.array, positions: mx.array, *, filters=None,
-                     sign: int = 1, seed: int = 0, layer: int = 0, backend=None) -> mx.array:
+def insertion_scores(method: str, keys: mx.array, positions, *, filters=None,
+                     sign: int = 1, seed: int = 0, layer: int = 0, backend=None,
+                     finite: bool = True) -> mx.array:
     """Scores ``[B, H, L]`` float32 of new keys ``[B, H, L, D]`` for ``method``.
 
     ``qfilters`` needs ``filters`` ``[H, D]`` and uses ``backend.projection_scores``
@@ -75,8 +76,9 @@ def insertion_scores(method: str, keys: mx.array, positions: mx.array, *, filter
         else:
             s = reference.l2norm_scores(keys)
         # Non-finite keys (NaN/inf) rank lowest: never kept over a finite-scored token.
-        return mx.where(mx.isfinite(s), s, -mx.inf)
+        # (`finite=False` leaves that to the caller: decode_insert does it itself.)
+        return mx.where(mx.isfinite(s), s, -mx.inf) if finite else s
     if method == "random":
         return random_scores(positions, seed, layer)
     # streaming_llm and full never rank by score.
-    return mx.zeros(positions.shape, dtype=mx.float32)
+    return mx.zeros(keys.shape[:3], dtype=mx.float32)

@@ -1,0 +1,89 @@
+// The bookkeeping of one decode step of the slot-based eviction cache.
+//
+//   decode_select(scores [B,H,S] f32, positions [B,H,S] int64,
+//                 new_scores [B,H,1], free [B,H] int32, position, n_sink, recent)
+//     -> scores', positions' (slot free[b,h] now holds the new token: its
+//        score, non-finite stored as -inf, and `position`), victim [B,H] int32.
+//
+// victim is the slot to free next: among slots whose position is neither a
+// sink (< n_sink) nor in the recent window (>= position + 1 - recent), the
+// lowest score, and among equal scores the latest position (NaN lowest,
+// -0.0 == +0.0): exactly what reference.decode_select computes. The K/V rows
+// are written by write_slot (single output, so MLX lets it reuse the buffer;
+// a multi-output primitive's inputs are never donatable).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace qfilters {
+
+namespace mx = mlx::core;
+
+std::vector<mx::array> decode_select(
+    const mx::array& scores,
+    const mx::array& positions,
+    const mx::array& new_scores,
+    const mx::array& free,
+    int64_t position,
+    int n_sink,
+    int recent,
+    mx::StreamOrDevice s = {});
+
+// write_slot(buf [B,H,S,D], rows [B,H,1,D], free [B,H] int32) -> buf with row
+// free[b,h] replaced by rows[b,h]. A single-output primitive, so it takes over
+// buf's memory when nothing else holds it: a decode step then moves one row.
+mx::array write_slot(const mx::array& buf, const mx::array& rows,
+                     const mx::array& free, mx::StreamOrDevice s = {});
+
+class WriteSlot : public mx::Primitive {
+ public:
+  explicit WriteSlot(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "QFiltersWriteSlot";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+class DecodeSelect : public mx::Primitive {
+ public:
+  DecodeSelect(mx::Stream stream, int64_t position, int n_sink, int recent)
+      : mx::Primitive(stream),
+        position_(position),
+        n_sink_(n_sink),
+        recent_(recent) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "QFiltersDecodeSelect";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  int64_t position_;
+  int n_sink_;
+  int recent_;
+};
+
+} // namespace qfilters
