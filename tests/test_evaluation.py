@@ -222,3 +222,22 @@ def test_settings_compare_equal_after_a_json_round_trip():
 
     s = EvalSettings.full()
     assert json.loads(json.dumps(s.to_json())) == s.to_json()
+
+
+def test_query_arms_batched_equal_alone(model):
+    """MultiArmCache forwards each row's queries to its cache (online query filter, auto sign)."""
+    from qfilters_mlx.eval_arms import query_arms
+
+    rng = np.random.default_rng(3)
+    filters = mx.array(rng.standard_normal((len(model.layers), 2, 16)).astype(np.float32))
+    arms = query_arms(filters)
+    assert [a.family for a in arms] == ["qfilters-queries", "qfilters-keys-auto", "qfilters-calibrated"]
+    configs = [a.config(16, n_sink=2, calib_tokens=12, head_dim=16) for a in arms]
+    rows = [[a.make_cache(c, i) for i in range(len(model.layers))] for a, c in zip(arms, configs)]
+    batched = batched_streaming_nll(model, TOKENS, rows, prefix=12)
+    for a, c, got, row in zip(arms, configs, batched, rows):
+        single = [a.make_cache(c, i) for i in range(len(model.layers))]
+        alone = batched_streaming_nll(model, TOKENS, [single], prefix=12)[0]
+        np.testing.assert_allclose(got, alone, atol=1e-4, rtol=1e-4)
+        assert all(cache.filter is not None and cache.size() == 16 for cache in row)
+    np.testing.assert_array_equal(np.array(rows[2][1].filter), np.array(filters[1]))

@@ -46,6 +46,10 @@ def add_parser(sub) -> None:
     ev.add_argument("--parts", default="score_quality,perplexity,retrieval",
                     help="comma-separated measures to run (default: all, in this order)")
     ev.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    ev.add_argument("--filters", default=None, metavar="FILE",
+                    help="filters from `qfilters-mlx calibrate` for the calibrated-filter arm "
+                         "(without it that arm is left out; the online query-filter and auto-sign "
+                         "arms always run)")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -62,6 +66,8 @@ def _command(args) -> str:
         parts += ["--out", args.out]
     if args.parts != "score_quality,perplexity,retrieval":
         parts += ["--parts", args.parts]
+    if args.filters:
+        parts += ["--filters", args.filters]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -105,6 +111,7 @@ def run(parser, args) -> int:
     from mlx_lm import load
 
     from .capture import capture_attention
+    from .eval_arms import default_arms, query_arms
     from .evaluation import EvalSettings, check_quick, run_evaluation, streaming_nll
     from .prompts import source_text
 
@@ -114,6 +121,15 @@ def run(parser, args) -> int:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     settings = EvalSettings.quick_settings() if args.quick else EvalSettings.full()
     model, tokenizer = load(str(model_path))
+    filters = None
+    if args.filters:
+        from .calibration import load_filters
+
+        try:
+            filters, _ = load_filters(args.filters, model)
+        except (OSError, ValueError) as err:
+            parser.error(f"--filters: {err}")
+    arms = default_arms() + query_arms(filters)
     try:
         text = source_text()
     except RuntimeError as err:
@@ -151,7 +167,8 @@ def run(parser, args) -> int:
     save.t = time.perf_counter()
     try:
         run_evaluation(model, tokenizer, text, settings, results, save=save, progress=progress,
-                       set_total=set_total, capture=capture_attention, parts=parts)
+                       set_total=set_total, capture=capture_attention, parts=parts, arms=arms,
+                       filters=filters)
     except ValueError as err:
         parser.error(f"{out}: {err}")
     finally:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
 
-__all__ = ["Arm", "RECENT_FRACTIONS", "default_arms", "expand", "retrieval_arms"]
+__all__ = ["Arm", "RECENT_FRACTIONS", "default_arms", "expand", "query_arms", "retrieval_arms"]
 
 RECENT_FRACTIONS = (Fraction(0), Fraction(1, 4), Fraction(1, 2))
 """Recent windows of the default arms, as fractions of the budget."""
@@ -123,6 +123,29 @@ def default_arms(recent_fractions=RECENT_FRACTIONS) -> list[Arm]:
         for f in recent_fractions
     ]
     arms.append(Arm(name="streaming_llm", method="streaming_llm", family="streaming_llm"))
+    return arms
+
+
+def query_arms(filters=None, recent: Fraction = Fraction(1, 2)) -> list[Arm]:
+    """The issue-6 arms, at one recent window (cost): the online query filter (the
+    paper's estimator), the key-SVD filter with the sign chosen from queries
+    (``"auto"``), and, given ``filters [n_layers, H_kv, D]`` from
+    ``qfilters-mlx calibrate``, the offline calibrated filter."""
+    label = _frac_label(recent)
+    arms = [
+        Arm(name=f"qfilters-queries@r{label}", method="qfilters", sign=1, recent=recent,
+            family="qfilters-queries", filter_source="queries"),
+        Arm(name=f"qfilters-keys-auto@r{label}", method="qfilters", sign="auto", recent=recent,
+            family="qfilters-keys-auto"),
+    ]
+    if filters is not None:
+        def calibrated(config, layer_idx, _f=filters):
+            from .cache import QFiltersKVCache
+
+            return QFiltersKVCache(config, layer_idx=layer_idx, filters=_f[layer_idx])
+
+        arms.append(Arm(name=f"qfilters-calibrated@r{label}", method="qfilters", sign=1,
+                        recent=recent, family="qfilters-calibrated", cache_factory=calibrated))
     return arms
 
 

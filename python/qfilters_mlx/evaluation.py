@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from .eval_arms import Arm, default_arms, expand, retrieval_arms
+from .observe import observe_queries
 
 __all__ = [
     "EvalSettings",
@@ -135,6 +136,23 @@ class MultiArmCache:
         return (mx.concatenate([pad(k) for k, _ in outs], axis=0),
                 mx.concatenate([pad(v) for _, v in outs], axis=0))
 
+    @property
+    def queries_observed(self) -> bool:
+        return all(getattr(c, "queries_observed", False) for c in self.caches)
+
+    @queries_observed.setter
+    def queries_observed(self, value: bool) -> None:
+        for c in self.caches:
+            if hasattr(c, "observe_queries"):
+                c.queries_observed = value
+
+    def observe_queries(self, queries: mx.array) -> None:
+        """Row ``i`` of this layer's queries goes to ``caches[i]`` (query-based filters)."""
+        for i, c in enumerate(self.caches):
+            fn = getattr(c, "observe_queries", None)
+            if fn is not None:
+                fn(queries[i : i + 1])
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
             raise ValueError("MultiArmCache does not support sliding-window masks")
@@ -179,17 +197,18 @@ def batched_streaming_nll(model, tokens, rows: list[list], prefix: int = 16,
     B = len(rows)
     caches = rows[0] if B == 1 else _layer_caches(rows)
     batch = mx.broadcast_to(toks[None], (B, T))
-    logits = model(batch[:, :prefix], cache=caches)[:, -1]
     nll = []
-    for t in range(prefix, T):
-        lp = logits.astype(mx.float32)
-        nll.append(mx.logsumexp(lp, axis=-1) - lp[:, toks[t]])
-        if t + 1 < T:
-            logits = model(batch[:, t : t + 1], cache=caches)[:, -1]
-        if len(nll) % 32 == 0:
-            mx.eval(nll, logits)
-        if on_step is not None:
-            on_step(1)
+    with observe_queries(model, caches):  # for query-based filters
+        logits = model(batch[:, :prefix], cache=caches)[:, -1]
+        for t in range(prefix, T):
+            lp = logits.astype(mx.float32)
+            nll.append(mx.logsumexp(lp, axis=-1) - lp[:, toks[t]])
+            if t + 1 < T:
+                logits = model(batch[:, t : t + 1], cache=caches)[:, -1]
+            if len(nll) % 32 == 0:
+                mx.eval(nll, logits)
+            if on_step is not None:
+                on_step(1)
     out = mx.stack(nll, axis=1)
     mx.eval(out)
     return out.tolist()
@@ -282,18 +301,19 @@ def batched_greedy(model, prompt: list[int], rows: list[list], max_tokens: int, 
     caches = rows[0] if B == 1 else _layer_caches(rows)
     toks = mx.broadcast_to(mx.array(prompt)[None], (B, len(prompt)))
     logits = None
-    for s in range(0, len(prompt), chunk):
-        logits = model(toks[:, s : s + chunk], cache=caches)[:, -1]
-        mx.eval(logits)
-        if on_call is not None:
-            on_call(1)
     out = []
-    for i in range(max_tokens):
-        nxt = mx.argmax(logits, axis=-1)
-        out.append(nxt)
-        if i + 1 < max_tokens:
-            logits = model(nxt[:, None], cache=caches)[:, -1]
+    with observe_queries(model, caches):  # for query-based filters
+        for s in range(0, len(prompt), chunk):
+            logits = model(toks[:, s : s + chunk], cache=caches)[:, -1]
             mx.eval(logits)
+            if on_call is not None:
+                on_call(1)
+        for i in range(max_tokens):
+            nxt = mx.argmax(logits, axis=-1)
+            out.append(nxt)
+            if i + 1 < max_tokens:
+                logits = model(nxt[:, None], cache=caches)[:, -1]
+                mx.eval(logits)
     return mx.stack(out, axis=1).tolist()
 
 
@@ -341,10 +361,17 @@ def received_attention(queries: np.ndarray, keys: np.ndarray, cached: int, windo
     return mass.reshape(Hkv, g, cached).mean(axis=1)
 
 
-def method_scores(keys: mx.array, layer: int, calib_tokens: int, seed: int) -> dict[str, np.ndarray]:
+def method_scores(keys: mx.array, layer: int, calib_tokens: int, seed: int, queries=None,
+                  calibrated=None) -> dict[str, np.ndarray]:
     """Each method's score of every token, ``[Hkv, T]`` (higher = kept), from the
-    same functions the cache uses; ``recency`` (the position) stands for StreamingLLM."""
+    same functions the cache uses; ``recency`` (the position) stands for StreamingLLM.
+
+    With ``queries [Hq, T, D]`` the query-based filters are scored too (online
+    query filter and auto-sign key filter, both from the first ``calib_tokens``
+    queries); with ``calibrated [Hkv, D]`` the offline filter of this layer.
+    """
     from . import reference
+    from .cache import _query_orientation
     from .scorers import insertion_scores
 
     k = keys[None]  # [1, Hkv, T, D]
@@ -358,11 +385,20 @@ def method_scores(keys: mx.array, layer: int, calib_tokens: int, seed: int) -> d
         "random": insertion_scores("random", k, pos, seed=seed, layer=layer),
         "recency (streaming_llm)": pos.astype(mx.float32),
     }
+    if queries is not None:
+        q = queries[None, :, :calib_tokens]
+        qf = reference.estimate_filter_from_queries(q, k.shape[1])
+        auto = filt * _query_orientation(filt, q)[:, None]
+        out["qfilters-queries"] = insertion_scores("qfilters", k, pos, filters=qf, sign=1)
+        out["qfilters-keys-auto"] = insertion_scores("qfilters", k, pos, filters=auto, sign=1)
+    if calibrated is not None:
+        out["qfilters-calibrated"] = insertion_scores("qfilters", k, pos, filters=calibrated, sign=1)
     return {name: np.array(v[0]) for name, v in out.items()}
 
 
 def score_quality(queries: mx.array, keys: mx.array, layer: int, *, cached: int, window: int,
-                  calib_tokens: int, n_sink: int, seed: int = 0) -> dict[str, list[float]]:
+                  calib_tokens: int, n_sink: int, seed: int = 0,
+                  calibrated=None) -> dict[str, list[float]]:
     """Per KV head, Spearman between each method's score of the cached tokens
     (sinks excluded) and the attention they receive from the next ``window`` queries.
 
@@ -378,7 +414,8 @@ def score_quality(queries: mx.array, keys: mx.array, layer: int, *, cached: int,
     """
     target = received_attention(np.array(queries[0], np.float32), np.array(keys[0], np.float32),
                                 cached, window)
-    scores = method_scores(keys[0], layer, calib_tokens, seed)
+    scores = method_scores(keys[0], layer, calib_tokens, seed, queries=queries[0],
+                           calibrated=calibrated)
     return {
         name: [spearman(s[h, n_sink:cached], target[h, n_sink:]) for h in range(target.shape[0])]
         for name, s in scores.items()
@@ -451,7 +488,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
                    save: Callable[[dict], None] = lambda r: None,
                    progress: Callable[[int, str], None] = lambda n, d: None,
                    set_total: Callable[[int], None] = lambda n: None,
-                   arms: list[Arm] | None = None, capture=None,
+                   arms: list[Arm] | None = None, capture=None, filters=None,
                    parts=("score_quality", "perplexity", "retrieval")) -> dict:
     """Run (or resume) the issue-5 evaluation, filling ``results`` in place.
 
@@ -468,6 +505,8 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
         capture: :func:`qfilters_mlx.capture.capture_attention` (or the same
             signature ``capture(model, callback, caches)``) for score quality;
             ``None`` skips it.
+        filters: calibrated filters ``[n_layers, H_kv, D]`` (score quality of the
+            offline filter; the perplexity/retrieval arm comes with ``arms``).
         parts: which measures to run (any of ``"score_quality"``,
             ``"perplexity"``, ``"retrieval"``); cheap ones first by default.
 
@@ -533,7 +572,8 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
                 q, k = records[layer]
                 per_layer[str(layer)] = score_quality(q, k, layer, cached=cached, window=s.sq_window,
                                                       calib_tokens=s.calib_tokens, n_sink=s.n_sink,
-                                                      seed=s.seed)
+                                                      seed=s.seed,
+                                                      calibrated=None if filters is None else filters[layer])
             results["score_quality"][str(cached)] = per_layer
             progress(1, "score quality")
         save(results)
