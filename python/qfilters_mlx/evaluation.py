@@ -548,7 +548,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
     sq_todo = [c for c in s.sq_cached if str(c) not in results["score_quality"]] \
         if capture and "score_quality" in parts else []
 
-    total = (s.ppl_scored if ppl_cells else 0) + len(sq_todo)
+    total = s.ppl_scored * len({b for _, b, _ in ppl_cells}) + len(sq_todo)
     for ctx, _, cells, full_done in r_jobs:
         calls = math.ceil((ctx + 120) / s.retrieval_chunk)
         total += calls * ((1 if cells else 0) + (0 if full_done else 1))
@@ -587,24 +587,26 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
         if s.quick:
             results["perplexity"]["full"]["nll"] = nll
         save(results)
-    if ppl_cells:
+    # One batch per budget: results are saved as each budget finishes.
+    for budget in sorted({b for _, b, _ in ppl_cells}):
+        cells = [x for x in ppl_cells if x[1] == budget]
         full_ppl = results["perplexity"]["full"]["ppl"]
-        rows = [_row_caches(a, c.with_head_dim(hd), n_layers) for a, _, c in ppl_cells]
+        rows = [_row_caches(a, c.with_head_dim(hd), n_layers) for a, _, c in cells]
         nlls = batched_streaming_nll(model, tokens, rows, s.ppl_prefix,
-                                     on_step=lambda n: progress(n, "perplexity"))
-        for (a, b, _), nll in zip(ppl_cells, nlls):
+                                     on_step=lambda n: progress(n, f"perplexity @{budget}"))
+        for (a, b, _), nll in zip(cells, nlls):
             cell = _ppl_cell(a, b, s, nll, full_ppl)
             if s.quick:
                 cell["nll"] = nll
             results["perplexity"][f"{a.name}@{b}"] = cell
         save(results)
-        if s.quick:
-            # Seeded and reproducible, and batched == alone: the random arm again, on its own.
-            a, b, c = next((a, b, c) for a, b, c in ppl_cells if a.method == "random" and b in s.budgets)
-            nll = batched_streaming_nll(model, tokens, [_row_caches(a, c.with_head_dim(hd), n_layers)],
-                                        s.ppl_prefix)[0]
-            results["perplexity"][f"{a.name}@{b}"]["nll_rerun_alone"] = nll
-            save(results)
+    if s.quick and ppl_cells:
+        # Seeded and reproducible, and batched == alone: the random arm again, on its own.
+        a, b, c = next((a, b, c) for a, b, c in ppl_cells if a.method == "random" and b in s.budgets)
+        nll = batched_streaming_nll(model, tokens, [_row_caches(a, c.with_head_dim(hd), n_layers)],
+                                    s.ppl_prefix)[0]
+        results["perplexity"][f"{a.name}@{b}"]["nll_rerun_alone"] = nll
+        save(results)
 
     # 3. Retrieval: per prompt, the full cache alone, then every pending (arm, budget) in one batch.
     for ctx, depth, cells, full_done in r_jobs:
