@@ -95,17 +95,9 @@ def run(parser, args) -> int:
         print(out.with_suffix(".md").read_text())
         return 0
 
-    if args.model is None:
-        from .prepare_model import prepare_model
+    from .cli import _model_path
 
-        try:
-            model_path = prepare_model()
-        except FileNotFoundError as err:
-            parser.error(f"no --model given and the default model cannot be prepared: {err}")
-    else:
-        model_path = Path(args.model)
-        if not model_path.is_dir():
-            parser.error(f"--model: {args.model} is not a model folder")
+    model_path = _model_path(parser, args)
 
     import mlx.core as mx
     from mlx_lm import load
