@@ -32,12 +32,12 @@ def test_generate_defaults():
     assert (a.max_tokens, a.temp, a.top_p, a.min_p, a.top_k, a.seed) == (100, 0.0, 1.0, 0.0, 0, None)
     assert a.verbose is True and a.ignore_chat_template is False
     assert a.prefill_step_size == 2048
-    assert cli.DEFAULT_SIGN == "auto" and cli.DEFAULT_RECENT_FRACTION == 0.5
+    assert cli.DEFAULT_SIGN == -1 and cli.DEFAULT_RECENT_FRACTION == 0.5
     # the effective config: the paper's query filter (sign +1); key filters get the auto sign
     cfg = cli._config_or_error(cli.build_parser(), a)
     assert (cfg.qfilters_filter_source, cfg.qfilters_sign, cfg.qfilters_recent) == ("queries", 1, 128)
     cfg = cli._config_or_error(cli.build_parser(), parse("--filter-source", "keys"))
-    assert (cfg.qfilters_filter_source, cfg.qfilters_sign) == ("keys", "auto")
+    assert (cfg.qfilters_filter_source, cfg.qfilters_sign) == ("keys", -1)
 
 
 def test_mlx_lm_flag_spellings():
@@ -81,7 +81,7 @@ def test_help_explains_measured_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "chosen from measurements" in text
     assert "not the library's default of 0" in text
-    assert "points against the queries" in text
+    assert "points against the queries" in text and "better than +1" in text
     for flag in ("--method", "--budget", "--n-sink", "--recent", "--calib-tokens", "--sign",
                  "--filter-source", "--filters",
                  "--backend", "--prompt-file", "--max-tokens", "--prefill-step-size"):

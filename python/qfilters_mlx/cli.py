@@ -54,7 +54,7 @@ second text segment 3/4 was best and never clearly worse than StreamingLLM;
 default) was far worse (perplexity 71.0 vs 14.9 at budget 128).
 """
 
-DEFAULT_SIGN = "auto"
+DEFAULT_SIGN = -1
 DEFAULT_FILTER_SOURCE = "queries"
 DEFAULT_CALIB_TEXT_TOKENS = 4096
 DEFAULT_CALIB_SAMPLES = 4096
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"first positions never evicted (default {DEFAULT_N_SINK})")
     c.add_argument("--recent", type=int, default=None,
                    help=f"last positions never evicted. Default: budget * {DEFAULT_RECENT_FRACTION:g} "
-                        f"(at most budget - n_sink - 1), chosen from measurements (DESIGN.md: on "
+                        f"(at most budget - n_sink - 1), chosen from measurements (design notes: on "
                         f"SmolLM2 a window of budget/2 .. 3/4 beat StreamingLLM, <= budget/4 lost), "
                         f"not the library's default of 0. Ignored by streaming_llm")
     c.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
@@ -256,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'keys' (SVD of the first keys; sign from --sign)")
     c.add_argument("--sign", type=_sign, default=None, metavar="{+1,-1,auto}",
                    help=f"sign of the key-SVD score; 'auto' picks it per KV head from the first "
-                        f"queries. Default: +1 with --filter-source queries, {DEFAULT_SIGN!r} with "
-                        f"keys (on SmolLM2 the key-SVD direction points against the queries in "
-                        f"~98%% of KV heads, DESIGN.md)")
+                        f"queries. Default: +1 with --filter-source queries, {DEFAULT_SIGN:+d} with "
+                        f"keys (measured on SmolLM2, see README: the key-SVD direction points "
+                        f"against the queries in most KV heads, and -1 ranked tokens by received "
+                        f"attention better than +1 and than 'auto')")
     c.add_argument("--filters", default=None, metavar="FILE",
                    help="precomputed filters from `qfilters-mlx calibrate` (eviction starts at "
                         "once; --calib-tokens and --filter-source are then ignored)")

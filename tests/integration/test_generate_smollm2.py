@@ -40,30 +40,29 @@ def _greedy(model, tokenizer, tokens, caches, max_tokens, prefill_step_size=2048
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    return [
-        r.token
-        for r in stream_generate(
-            model,
-            tokenizer,
-            tokens,
-            max_tokens=max_tokens,
-            sampler=make_sampler(0.0),
-            prompt_cache=caches,
-            prefill_step_size=prefill_step_size,
-        )
-    ]
+    from qfilters_mlx import observe_queries
+
+    with observe_queries(model, caches):  # the CLI default filter is estimated from queries
+        return [
+            r.token
+            for r in stream_generate(
+                model,
+                tokenizer,
+                tokens,
+                max_tokens=max_tokens,
+                sampler=make_sampler(0.0),
+                prompt_cache=caches,
+                prefill_step_size=prefill_step_size,
+            )
+        ]
 
 
-def _config(budget, **kw):
-    from qfilters_mlx import KVCacheConfig
-    from qfilters_mlx.cli import DEFAULT_SIGN, default_recent
+def _config(budget):
+    """The command line's default configuration (the online query filter)."""
+    from qfilters_mlx.cli import _config_or_error, build_parser
 
-    return KVCacheConfig(
-        qfilters_budget=budget,
-        qfilters_recent=default_recent(budget, 4),
-        qfilters_sign=DEFAULT_SIGN,
-        **kw,
-    )
+    parser = build_parser()
+    return _config_or_error(parser, parser.parse_args(["generate", "--budget", str(budget)]))
 
 
 def test_prompt_length(prompt_tokens):
@@ -158,7 +157,8 @@ def test_cli_end_to_end(model_path, model_and_tokenizer, prompt_tokens, capsys):
     ratio = float(_field(out, "Compression ratio").rstrip("x"))
     assert ratio > 1.0
     assert ratio == pytest.approx(full / kept, abs=0.01)
-    assert "method=qfilters budget=256 n_sink=4 recent=128 sign=-1" in _field(out, "Cache config")
+    assert ("method=qfilters budget=256 n_sink=4 recent=128 filter_source=queries sign=+1 "
+            "calib_tokens=128") in _field(out, "Cache config")
     assert float(_field(out, "Prompt speed").split()[0]) > 0
     assert float(_field(out, "Generation speed").split()[0]) > 0
     assert int(re.search(r"\((\d+) bytes\)", _field(out, "Peak memory")).group(1)) > 0
