@@ -102,9 +102,12 @@ def test_budget_holds_after_every_call(model_and_tokenizer, prompt_tokens):
     assert len(prompt_tokens) <= caches[0].tokens_seen <= len(prompt_tokens) + n_new
     assert max(L for _, L, _, _ in per_call) == 512
     for before, L, returned, after in per_call:
-        assert before <= BUDGET
+        assert before <= BUDGET  # i.e. after every earlier call of the model
         assert returned == before + L <= BUDGET + L
-        assert after <= BUDGET
+        # `after` is read when update_and_fetch returns: the query-filter cache of the call
+        # that reaches calib_tokens evicts only once it has seen that call's queries (in the
+        # attention right after), so only the next call's `before` shows the evicted size.
+        assert after <= max(BUDGET, before + L)
     assert all(c.size() == BUDGET for c in caches)
     assert caches[0].filter is not None
 
