@@ -6,6 +6,7 @@ import pytest
 
 from oracle import np_attention, np_keep_rows
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
+from qfilters_mlx.kernels import get_backend
 
 
 def make(method="qfilters", budget=16, n_sink=2, recent=4, calib=8, sign=1, **kw):
@@ -299,17 +300,43 @@ def test_methods_share_engine():
     assert np.all((sc >= 0) & (sc < 1))
 
 
-@pytest.mark.parametrize("B", [1, 3])
-def test_batch_rows_select_independently(B):
-    k, v = rand_kv(17, B=B, H=2, T=50, D=8)
-    c = make(budget=12, calib=8)
-    c.update_and_fetch(k, v)
-    for b in range(B):
-        single = make(budget=12, calib=8)
-        single.update_and_fetch(k[b:b + 1], v[b:b + 1])
-        if B == 1:
-            np.testing.assert_array_equal(kept(single), kept(c)[b:b + 1])
-    assert kept(c).shape == (B, 2, 12)
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_batch_rows_select_independently(backend):
+    """Each batch row keeps its own tokens: a B=3 cache equals three B=1 caches (l2norm scores
+    depend on the row only; the key-SVD filter would pool the rows)."""
+    k, v = rand_kv(17, B=3, H=2, T=50, D=8)
+    cfg = dict(method="l2norm", budget=12, n_sink=2, recent=3)
+    c = make(**cfg)
+    c.backend = get_backend(backend)
+    c.update_and_fetch(k[:, :, :40], v[:, :, :40])
+    for t in range(40, 50):  # slot-mode decode steps too
+        c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert kept(c).shape == (3, 2, 12)
+    for b in range(3):
+        single = make(**cfg)
+        single.update_and_fetch(k[b:b + 1, :, :40], v[b:b + 1, :, :40])
+        for t in range(40, 50):
+            single.update_and_fetch(k[b:b + 1, :, t:t + 1], v[b:b + 1, :, t:t + 1])
+        np.testing.assert_array_equal(kept(single)[0], kept(c)[b])
+        np.testing.assert_array_equal(np.array(single.keys[0, :, :12]), np.array(c.keys[b, :, :12]))
+
+
+def test_bad_state_assignment_changes_nothing_even_in_slot_mode():
+    k, v = rand_kv(20, T=40)
+    runs = []
+    for bad in (False, True):
+        c = make(budget=8, n_sink=2, recent=2, calib=4)
+        c.update_and_fetch(k[:, :, :20], v[:, :, :20])
+        for t in range(20, 25):
+            c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        if bad:
+            for value in ((1, 2, 3), (None,) * 6 + ("{",), c.state[:6] + ("{}",)):
+                with pytest.raises(ValueError, match="state"):
+                    c.state = value
+        for t in range(25, 30):
+            c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        runs.append(kept(c))
+    np.testing.assert_array_equal(runs[0], runs[1])
 
 
 def test_bad_updates_raise_before_state_changes():

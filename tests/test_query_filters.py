@@ -182,3 +182,50 @@ def test_auto_sign_points_the_key_filter_at_the_queries():
     assert np.all(key_only @ u < -0.9)
     assert np.all(f @ u > 0.9)
     assert c.size() == 16
+
+
+def _observed(cfg):
+    c = QFiltersKVCache(cfg)
+    c.queries_observed = True
+    return c
+
+
+def test_query_source_trim_and_reload_before_calibration_keep_the_first_queries(tmp_path):
+    """The filter comes from the queries of tokens 0..calib-1 whatever trims and prompt-cache
+    reloads happen before the first eviction."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    rng = np.random.default_rng(7)
+    q = mx.array(rng.standard_normal((1, 6, 30, 8)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 30, 8)).astype(np.float32))
+    cfg = KVCacheConfig(qfilters_filter_source="queries", qfilters_budget=16, qfilters_n_sink=1,
+                        qfilters_calib_tokens=10)
+    want = np.array(ref.estimate_filter_from_queries(q[:, :, :10], 2))
+
+    def step(c, a, b):
+        c.update_and_fetch(k[:, :, a:b], k[:, :, a:b])
+        c.observe_queries(q[:, :, a:b])
+
+    # trim back into the calibration tokens after the filter was estimated (no eviction yet)
+    c = _observed(cfg)
+    step(c, 0, 12)
+    assert c.filter is not None and c.trim(5) == 5 and c.filter is None
+    step(c, 7, 14)
+    np.testing.assert_allclose(np.array(c.filter), want, atol=1e-6)
+    # save after 6 tokens, reload, continue: same filter and kept set as without the reload
+    a = _observed(cfg)
+    step(a, 0, 6)
+    path = str(tmp_path / "q.safetensors")
+    save_prompt_cache(path, [a])
+    (b,) = load_prompt_cache(path)
+    b.queries_observed = True
+    for c in (a, b):
+        step(c, 6, 30)
+    np.testing.assert_allclose(np.array(b.filter), want, atol=1e-6)
+    np.testing.assert_array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
+    # once calibrated, a reloaded cache needs no observer
+    save_prompt_cache(path, [a])
+    (d,) = load_prompt_cache(path)
+    d.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    with pytest.raises(ValueError, match="queries"):
+        _observed(cfg).observe_queries(q[0])

@@ -146,7 +146,7 @@ class QFiltersKVCache(_BaseCache):
             raise TypeError(f"keys and values must share a dtype, got {keys.dtype} and {values.dtype}")
         if keys.shape[2] == 0:
             raise ValueError("keys must hold at least one token (L >= 1)")
-        if self._calibrates_from_queries and not self.queries_observed:
+        if self._calibrates_from_queries and self.filter is None and not self.queries_observed:
             raise ValueError(
                 "this cache estimates its filter from queries (qfilters_sign='auto' or "
                 "qfilters_filter_source='queries'): run the model inside "
@@ -232,8 +232,7 @@ class QFiltersKVCache(_BaseCache):
             f = reference.estimate_filter_from_keys(self.keys[:, :, :c])
             if cfg.qfilters_sign == "auto":
                 f = f * _query_orientation(f, self._queries[:, :, :c])[:, None]
-        self.filter = f
-        self._queries = None
+        self.filter = f  # (queries are kept until the first eviction: trim may undo this)
         n = self._n
         self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
 
@@ -295,6 +294,7 @@ class QFiltersKVCache(_BaseCache):
         self.keys, self.values = k, v
         self._n = kept.shape[2]
         self.evicted = True
+        self._queries = None  # no trim after an eviction: calibration is final
 
     # ------------------------------------------------------------ cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -342,6 +342,13 @@ class QFiltersKVCache(_BaseCache):
         """
         if not self._calibrates_from_queries or self.filter is not None:
             return
+        if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
+            raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
+        B, H = self.keys.shape[:2]
+        if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != self.keys.shape[3]
+                or queries.shape[2] > self.offset):
+            raise ValueError(f"queries {tuple(queries.shape)} do not fit the cache "
+                             f"(B={B}, H_kv={H}, D={self.keys.shape[3]}, offset={self.offset})")
         c = self.config.qfilters_calib_tokens
         have = 0 if self._queries is None else self._queries.shape[2]
         need = min(c, self.offset) - have
@@ -363,8 +370,9 @@ class QFiltersKVCache(_BaseCache):
 
     @property
     def state(self):
-        """``(keys, values, scores, positions, filter, meta)``: the live rows in
-        temporal order and a JSON string.
+        """``(keys, values, scores, positions, filter, queries, meta)``: the live rows
+        in temporal order, the first queries kept for query-based calibration (until the
+        first eviction) and a JSON string.
 
         ``meta`` carries the configuration and the scalar attributes (offset,
         layer index, eviction flag) so that mlx-lm's ``save_prompt_cache`` /
@@ -386,21 +394,36 @@ class QFiltersKVCache(_BaseCache):
             "evicted": self.evicted,
         }
         return (live(self.keys), live(self.values), live(self.scores), live(self.positions),
-                self.filter, json.dumps(meta))
+                self.filter, self._queries, json.dumps(meta))
 
     @state.setter
     def state(self, v):
+        # Parse and check everything before touching the cache.
+        if not isinstance(v, (tuple, list)) or len(v) != 7:
+            raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta)")
+        keys, values, scores, positions, filt, queries, meta = v
+        try:
+            meta = json.loads(meta)
+            config = KVCacheConfig(**meta["config"])
+            scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
+                       bool(meta["filter_fixed"]))
+        except (TypeError, ValueError, KeyError) as err:
+            raise ValueError(f"state: bad meta ({err})") from err
+        arrays = (keys, values, scores, positions)
+        if any(a is None for a in arrays) and not all(a is None for a in arrays):
+            raise ValueError("state: keys, values, scores and positions must all be set or all None")
+        if keys is not None:
+            n = keys.shape[2]
+            if (keys.ndim != 4 or values.shape[:3] != keys.shape[:3] or scores.shape != keys.shape[:3]
+                    or positions.shape != keys.shape[:3] or scalars[1] < n):
+                raise ValueError("state: keys/values/scores/positions shapes disagree with each other "
+                                 "or with the offset")
+        backend = get_backend(config.qfilters_backend)
         self._free = None
-        keys, values, scores, positions, filt, meta = v
-        meta = json.loads(meta)
-        self.config = KVCacheConfig(**meta["config"])
-        self.backend = get_backend(self.config.qfilters_backend)
-        self.layer_idx = int(meta["layer_idx"])
-        self.offset = int(meta["offset"])
-        self.evicted = bool(meta["evicted"])
-        self.filter_fixed = bool(meta["filter_fixed"])
+        self.config, self.backend = config, backend
+        self.layer_idx, self.offset, self.evicted, self.filter_fixed = scalars
         self.queries_observed = False
-        self._queries = None
+        self._queries = queries
         self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
         self.filter = filt
         self._n = 0 if keys is None else keys.shape[2]
