@@ -83,7 +83,10 @@ def test_cells_and_budget_covering_length(quick_run):
     # at the evicting budget, recent=0 Q-Filters differs from the full cache (eviction happened)
     assert p[f"qfilters-keys+1@r0@{s['budgets'][0]}"]["ppl"] > 1.2 * full["ppl"]
     r = res["retrieval"]
-    assert any(k.startswith("full@") for k in r) and len(r) == 1 + 5 * len(s["budgets"])
+    from qfilters_mlx.eval_arms import query_arms, retrieval_arms
+
+    per_budget = len(retrieval_arms(default_arms() + query_arms()))  # no --filters in quick mode
+    assert any(k.startswith("full@") for k in r) and len(r) == 1 + per_budget * len(s["budgets"])
     assert all(len(c["key"]) == 5 and c["correct"] == (c["key"] in c["answer"]) for c in r.values())
     sq = res["score_quality"][str(s["sq_cached"][0])]
     assert len(sq) == 30 and all(len(v["l2norm"]) == 3 for v in sq.values())
