@@ -155,6 +155,21 @@ def l2norm_scores(keys: mx.array) -> mx.array:
     return -mx.sqrt(mx.square(keys.astype(mx.float32)).sum(axis=-1))
 
 
+def _ordered_scores(scores: mx.array) -> mx.array:
+    """float32 scores -> uint32 in the same order (negative values bit-inverted, the
+    others with the sign bit set); NaN maps like -inf, -0.0 like +0.0."""
+    s = scores.astype(mx.float32)
+    s = mx.where(mx.isnan(s), -mx.inf, mx.where(s == 0, 0.0, s))
+    bits = mx.view(s, mx.uint32)
+    return mx.where((bits >> 31) == 1, ~bits, bits | mx.array(0x80000000, mx.uint32))
+
+
+def _key_max() -> mx.array:
+    """The largest uint64 rank key (for forced or excluded positions); built per call,
+    no module-level arrays."""
+    return (mx.array(0xFFFFFFFF, mx.uint32).astype(mx.uint64) << 32) | 0xFFFFFFFF
+
+
 def _rank_key(scores: mx.array) -> mx.array:
     """A uint64 key whose ascending order is (score ascending, position descending).
 
@@ -164,11 +179,7 @@ def _rank_key(scores: mx.array) -> mx.array:
     scores the earlier position has the larger key. NaN maps to the smallest key.
     """
     T = scores.shape[-1]
-    s = scores.astype(mx.float32)
-    s = mx.where(mx.isnan(s), -mx.inf, mx.where(s == 0, 0.0, s))  # -0.0 ties +0.0
-    bits = mx.view(s, mx.uint32)
-    neg = (bits >> 31) == 1
-    ordered = mx.where(neg, ~bits, bits | mx.array(0x80000000, mx.uint32))
+    ordered = _ordered_scores(scores)
     pos = mx.arange(T, dtype=mx.uint32)
     low = mx.array(0xFFFFFFFF, mx.uint32) - pos
     return (ordered.astype(mx.uint64) << 32) | low.astype(mx.uint64)
@@ -213,8 +224,7 @@ def select_keep(scores: mx.array, budget: int, n_sink: int = 0, recent: int = 0)
     key = _rank_key(scores)
     pos = mx.arange(T)
     forced = (pos < n_sink) | (pos >= T - recent)
-    top = (mx.array(0xFFFFFFFF, mx.uint32).astype(mx.uint64) << 32) | 0xFFFFFFFF
-    key = mx.where(forced, top, key)
+    key = mx.where(forced, _key_max(), key)
     # Partial selection, O(T) per row: the budget-th largest key is the threshold.
     # Keys are unique outside the forced set, and forced positions (<= budget of
     # them) all sit at the top, so exactly `budget` keys reach the threshold.
@@ -281,13 +291,10 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
     s_new = mx.where(mx.isfinite(s_new), s_new, -mx.inf)
     scores = mx.put_along_axis(scores, idx, s_new, axis=2)
     positions = mx.put_along_axis(positions, idx, mx.full(idx.shape, position, dtype=mx.int64), axis=2)
-    s = mx.where(scores == 0, 0.0, scores)
-    bits = mx.view(s, mx.uint32)
-    ordered = mx.where((bits >> 31) == 1, ~bits, bits | mx.array(0x80000000, mx.uint32))
+    ordered = _ordered_scores(scores)
     # ascending key = (score, -position): the minimum is the lowest score, latest position
     later = (positions - positions.min()).astype(mx.uint64)
     key = (ordered.astype(mx.uint64) << 32) | (mx.array(0xFFFFFFFF, mx.uint64) - later)
     evictable = (positions >= n_sink) & (positions < position + 1 - recent)
-    top = (mx.array(0xFFFFFFFF, mx.uint32).astype(mx.uint64) << 32) | 0xFFFFFFFF
-    victim = mx.argmin(mx.where(evictable, key, top), axis=-1).astype(mx.int32)
+    victim = mx.argmin(mx.where(evictable, key, _key_max()), axis=-1).astype(mx.int32)
     return scores, positions, victim
