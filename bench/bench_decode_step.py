@@ -39,6 +39,8 @@ from qfilters_mlx.blas import enable_fast_blas
 enable_fast_blas()
 
 import argparse  # noqa: E402
+
+from bench_generate import code_version  # noqa: E402  (same folder; records the code measured)
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -223,25 +225,6 @@ def plot(res: dict, path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def code_version() -> dict:
-    """git HEAD and a hash of the package sources as run (the tree may be uncommitted)."""
-    import hashlib
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha1()
-    for f in sorted((root / "python" / "qfilters_mlx").glob("*.py")) + sorted((root / "csrc").glob("*.*")):
-        h.update(f.read_bytes())
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=False).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "python", "csrc"],
-                                    capture_output=True, text=True, check=False).stdout.strip())
-    except OSError:
-        head, dirty = "?", None
-    return {"git_head": head, "package_dirty": dirty, "package_sources_sha1": h.hexdigest()[:12]}
 
 
 def main(argv=None) -> None:
