@@ -119,4 +119,32 @@ Reuses ``buf``'s memory when nothing else holds it (see reference.write_slot).)"
 
 Records the new token's score and position in slot ``free[b, h]`` and returns
 ``(scores, positions, victim)``; ``victim [B, H]`` is the slot to free next.)");
+
+  m.def(
+      "decode_select_keys",
+      [](const mlx::core::array& scores, const mlx::core::array& positions,
+         const mlx::core::array& new_keys, const mlx::core::array& filters,
+         const mlx::core::array& free, int64_t position, int sign, int n_sink,
+         int recent, mlx::core::StreamOrDevice s) {
+        auto o = qfilters::decode_select_keys(scores, positions, new_keys,
+                                              filters, free, position, sign,
+                                              n_sink, recent, s);
+        return std::make_tuple(o[0], o[1], o[2]);
+      },
+      "scores"_a,
+      "positions"_a,
+      "new_keys"_a,
+      "filters"_a,
+      "free"_a,
+      "position"_a,
+      "sign"_a,
+      "n_sink"_a,
+      "recent"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(``decode_select`` with the new token's score computed from its key.
+
+Equals ``decode_select(scores, positions, projection_scores(new_keys, filters,
+sign), free, position, n_sink, recent)`` bit for bit (same scoring loop) in one
+primitive. ``new_keys [B, H, 1, D]``, ``filters [H, D]``, ``sign`` +1 or -1.)");
 }

@@ -8,6 +8,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "order.h"
+#include "qfilters.h"
 #include "validate.h"
 
 namespace qfilters {
@@ -72,14 +73,11 @@ void copy_new_row(const mx::array& a, int64_t r, char* dst) {
   }
 }
 
-inline int64_t at3(const mx::array& a, int64_t r) {  // element (b, h, 0) of [B, H, 1]
-  const int64_t H = a.shape(1);
-  return (r / H) * a.strides()[0] + (r % H) * a.strides()[1];
-}
-
 // Writes the new scores and positions, then picks the victim of every (b, h)
-// row. The state arrays are row-contiguous; new_scores and `free` may be strided.
-void decode_select_kernel(const mx::array& new_scores, const mx::array& free,
+// row. The state arrays are row-contiguous; `free` may be strided, and the new
+// score of row (b, h) is ns[b * ns_b + h * ns_h].
+void decode_select_kernel(const float* ns, int64_t ns_b, int64_t ns_h,
+                          const mx::array& free,
                           mx::array& scores, mx::array& positions,
                           mx::array& victim, int64_t position, int n_sink,
                           int recent) {
@@ -87,7 +85,6 @@ void decode_select_kernel(const mx::array& new_scores, const mx::array& free,
   const int64_t recent_start = position + 1 - recent;
   float* sd = scores.data<float>();
   int64_t* pd = positions.data<int64_t>();
-  const float* ns = new_scores.data<float>();
   const int32_t* fr = free.data<int32_t>();
   int32_t* out = victim.data<int32_t>();
   for (int64_t r = 0; r < B * H; ++r) {
@@ -96,7 +93,7 @@ void decode_select_kernel(const mx::array& new_scores, const mx::array& free,
       slot = S - 1;  // never produced by this op; keep memory safe
     }
     const int64_t at = r * S + slot;
-    const float s = ns[at3(new_scores, r)];
+    const float s = ns[(r / H) * ns_b + (r % H) * ns_h];
     sd[at] = std::isfinite(s) ? s : -std::numeric_limits<float>::infinity();
     pd[at] = position;
     // victim: minimum of (ordered score, -position) over evictable slots
@@ -181,49 +178,88 @@ void WriteSlot::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
   throw std::runtime_error("[qfilters.write_slot] has no GPU implementation");
 }
 
+namespace {
+
+// Checks shared by decode_select and decode_select_keys: the slot state
+// (scores, positions, free) and the step's scalars. `new_rows` is new_scores
+// [B, H, 1] or new_keys [B, H, 1, D].
+void check_step(const char* op, const mx::array& scores,
+                const mx::array& positions, const mx::array& new_rows,
+                const char* new_name, const mx::array& free, int64_t position,
+                int n_sink, int recent) {
+  check_ndim(op, "scores", scores, 3, "[B, H, S]");
+  check_ndim(op, "positions", positions, 3, "[B, H, S]");
+  check_ndim(op, "free", free, 2, "[B, H]");
+  if (!same_prefix(positions, scores, 3) || !same_prefix(new_rows, scores, 2) ||
+      !same_prefix(free, scores, 2) || new_rows.shape(2) != 1) {
+    fail(op, "scores " + shape_str(scores) + ", positions " +
+                 shape_str(positions) + ", " + new_name + " " +
+                 shape_str(new_rows) + " and free " + shape_str(free) +
+                 " must be [B, H, S], [B, H, S], [B, H, 1, ...] and [B, H]");
+  }
+  if (scores.dtype() != mx::float32 || positions.dtype() != mx::int64) {
+    fail(op, "scores must be float32 and positions int64");
+  }
+  if (n_sink < 0 || recent < 0 ||
+      static_cast<int64_t>(n_sink) + recent >= scores.shape(2)) {
+    fail(op, "need n_sink >= 0, recent >= 0 and n_sink + recent < S (S = " +
+                 std::to_string(scores.shape(2)) + "), got n_sink=" +
+                 std::to_string(n_sink) + ", recent=" + std::to_string(recent));
+  }
+  if (position < 0) {
+    fail(op, "position must be >= 0, got " + std::to_string(position));
+  }
+}
+
+std::vector<mx::array> make_step(std::vector<mx::array> inputs,
+                                 int64_t position, int n_sink, int recent,
+                                 int sign, mx::Stream stream) {
+  const mx::array& scores = inputs[0];
+  const mx::Shape bh = {scores.shape(0), scores.shape(1)};
+  const mx::Shape ss = scores.shape(), ps = inputs[1].shape();
+  return mx::array::make_arrays(
+      {ss, ps, bh}, {mx::float32, mx::int64, mx::int32},
+      std::make_shared<DecodeSelect>(stream, position, n_sink, recent, sign),
+      std::move(inputs));
+}
+
+} // namespace
+
 std::vector<mx::array> decode_select(const mx::array& scores,
                                      const mx::array& positions,
                                      const mx::array& new_scores,
                                      const mx::array& free, int64_t position,
                                      int n_sink, int recent,
                                      mx::StreamOrDevice s) {
-  check_ndim(kOp, "scores", scores, 3, "[B, H, S]");
-  check_ndim(kOp, "positions", positions, 3, "[B, H, S]");
   check_ndim(kOp, "new_scores", new_scores, 3, "[B, H, 1]");
-  check_ndim(kOp, "free", free, 2, "[B, H]");
-  if (!same_prefix(positions, scores, 3) || !same_prefix(new_scores, scores, 2) ||
-      !same_prefix(free, scores, 2) || new_scores.shape(2) != 1) {
-    fail(kOp, "scores " + shape_str(scores) + ", positions " +
-                  shape_str(positions) + ", new_scores " +
-                  shape_str(new_scores) + " and free " + shape_str(free) +
-                  " must be [B, H, S], [B, H, S], [B, H, 1] and [B, H]");
-  }
-  if (scores.dtype() != mx::float32 || positions.dtype() != mx::int64) {
-    fail(kOp, "scores must be float32 and positions int64");
-  }
-  if (n_sink < 0 || recent < 0 ||
-      static_cast<int64_t>(n_sink) + recent >= scores.shape(2)) {
-    fail(kOp, "need n_sink >= 0, recent >= 0 and n_sink + recent < S (S = " +
-                  std::to_string(scores.shape(2)) + "), got n_sink=" +
-                  std::to_string(n_sink) + ", recent=" + std::to_string(recent));
-  }
-  if (position < 0) {
-    fail(kOp, "position must be >= 0, got " + std::to_string(position));
-  }
+  check_step(kOp, scores, positions, new_scores, "new_scores", free, position,
+             n_sink, recent);
   mx::Stream stream = cpu_stream(kOp, s);
   if (stream.device.type != mx::Device::cpu) {
     fail(kOp, "runs on the CPU only; use the reference path on the GPU");
   }
   // No contiguous() nodes: the kernel reads new_scores and free with strides
   // and copies the (small) state arrays.
-  std::vector<mx::array> inputs = {
-      scores, positions, mx::astype(new_scores, mx::float32, stream),
-      mx::astype(free, mx::int32, stream)};
-  const mx::Shape bh = {scores.shape(0), scores.shape(1)};
-  return mx::array::make_arrays(
-      {scores.shape(), positions.shape(), bh}, {mx::float32, mx::int64, mx::int32},
-      std::make_shared<DecodeSelect>(stream, position, n_sink, recent),
-      std::move(inputs));
+  return make_step({scores, positions, mx::astype(new_scores, mx::float32, stream),
+                    mx::astype(free, mx::int32, stream)},
+                   position, n_sink, recent, 0, stream);
+}
+
+std::vector<mx::array> decode_select_keys(
+    const mx::array& scores, const mx::array& positions,
+    const mx::array& new_keys, const mx::array& filters, const mx::array& free,
+    int64_t position, int sign, int n_sink, int recent, mx::StreamOrDevice s) {
+  constexpr const char* op = "qfilters.decode_select_keys";
+  check_score_inputs(op, new_keys, filters, sign);
+  check_step(op, scores, positions, new_keys, "new_keys", free, position,
+             n_sink, recent);
+  mx::Stream stream = cpu_stream(op, s);
+  if (stream.device.type != mx::Device::cpu) {
+    fail(op, "runs on the CPU only; use the reference path on the GPU");
+  }
+  return make_step({scores, positions, new_keys, mx::astype(free, mx::int32, stream),
+                    mx::astype(filters, mx::float32, stream)},
+                   position, n_sink, recent, sign, stream);
 }
 
 void DecodeSelect::eval_cpu(const std::vector<mx::array>& inputs,
@@ -239,13 +275,27 @@ void DecodeSelect::eval_cpu(const std::vector<mx::array>& inputs,
     encoder.set_output_array(o);
   }
   auto w = [](const mx::array& a) { return mx::array::unsafe_weak_copy(a); };
-  encoder.dispatch([s_in = w(inputs[0]), p_in = w(inputs[1]), ns = w(inputs[2]),
-                    fr = w(inputs[3]), sc = w(outputs[0]), pos = w(outputs[1]),
+  // sign_ != 0: inputs[2] is new_keys [B, H, 1, D] and inputs[4] the filters.
+  const mx::array none = inputs[0];
+  encoder.dispatch([s_in = w(inputs[0]), p_in = w(inputs[1]), nw = w(inputs[2]),
+                    fr = w(inputs[3]),
+                    filt = w(inputs.size() > 4 ? inputs[4] : none),
+                    sc = w(outputs[0]), pos = w(outputs[1]),
                     victim = w(outputs[2]), position = position_,
-                    n_sink = n_sink_, recent = recent_]() mutable {
+                    n_sink = n_sink_, recent = recent_,
+                    sign = sign_]() mutable {
     strided_copy(s_in, sc);
     strided_copy(p_in, pos);
-    decode_select_kernel(ns, fr, sc, pos, victim, position, n_sink, recent);
+    if (sign == 0) {
+      decode_select_kernel(nw.data<float>(), nw.strides()[0], nw.strides()[1],
+                           fr, sc, pos, victim, position, n_sink, recent);
+      return;
+    }
+    const int64_t H = sc.shape(1);
+    std::vector<float> ns(static_cast<size_t>(sc.shape(0) * H));
+    score_into(nw, filt, ns.data(), sign);
+    decode_select_kernel(ns.data(), H, 1, fr, sc, pos, victim, position, n_sink,
+                         recent);
   });
 }
 
@@ -259,7 +309,7 @@ void DecodeSelect::eval_gpu(const std::vector<mx::array>&,
 bool DecodeSelect::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const DecodeSelect&>(other);
   return position_ == o.position_ && n_sink_ == o.n_sink_ &&
-         recent_ == o.recent_;
+         recent_ == o.recent_ && sign_ == o.sign_;
 }
 
 std::vector<mx::Shape> DecodeSelect::output_shapes(

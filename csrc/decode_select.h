@@ -33,6 +33,22 @@ std::vector<mx::array> decode_select(
     int recent,
     mx::StreamOrDevice s = {});
 
+// decode_select_keys: the same step with the new token's score computed in
+// the op from its key, sign * <new_keys[b,h], filters[h]> (the loop of
+// projection_scores, so bit-identical to projection_scores + decode_select):
+// one primitive per layer and decode step instead of two.
+std::vector<mx::array> decode_select_keys(
+    const mx::array& scores,
+    const mx::array& positions,
+    const mx::array& new_keys,
+    const mx::array& filters,
+    const mx::array& free,
+    int64_t position,
+    int sign,
+    int n_sink,
+    int recent,
+    mx::StreamOrDevice s = {});
+
 // write_slot(buf [B,H,S,D], rows [B,H,1,D], free [B,H] int32) -> buf with row
 // free[b,h] replaced by rows[b,h]. A single-output primitive, so it takes over
 // buf's memory when nothing else holds it: a decode step then moves one row.
@@ -62,11 +78,15 @@ class WriteSlot : public mx::Primitive {
 
 class DecodeSelect : public mx::Primitive {
  public:
-  DecodeSelect(mx::Stream stream, int64_t position, int n_sink, int recent)
+  // sign == 0: inputs are (scores, positions, new_scores, free); sign = +-1:
+  // (scores, positions, new_keys, free, filters), the score computed here.
+  DecodeSelect(mx::Stream stream, int64_t position, int n_sink, int recent,
+               int sign = 0)
       : mx::Primitive(stream),
         position_(position),
         n_sink_(n_sink),
-        recent_(recent) {}
+        recent_(recent),
+        sign_(sign) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
@@ -84,6 +104,7 @@ class DecodeSelect : public mx::Primitive {
   int64_t position_;
   int n_sink_;
   int recent_;
+  int sign_;
 };
 
 } // namespace qfilters

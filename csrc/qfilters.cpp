@@ -175,14 +175,13 @@ bool has_avx2_f16c() {
 
 template <typename T>
 void score_kernel(const mx::array& keys, const mx::array& filters,
-                  mx::array& out, int sign) {
+                  float* op, int sign) {
   const int B = keys.shape(0), H = keys.shape(1), T_ = keys.shape(2),
             D = keys.shape(3);
   const auto& ks = keys.strides();
   const auto& fs = filters.strides();
   const T* kp = keys.data<T>();
   const float* fp = filters.data<float>();
-  float* op = out.data<float>();
   const float sgn = static_cast<float>(sign);
 
   std::vector<float> filt(static_cast<size_t>(D));
@@ -360,13 +359,8 @@ void select_compact_kernel(const mx::array& scores, const mx::array& keys,
 
 } // namespace
 
-// ---------------------------------------------------------------------------
-// Ops
-// ---------------------------------------------------------------------------
-
-mx::array projection_scores(const mx::array& keys, const mx::array& filters,
-                            int sign, mx::StreamOrDevice s) {
-  constexpr const char* op = "qfilters.projection_scores";
+void check_score_inputs(const char* op, const mx::array& keys,
+                        const mx::array& filters, int sign) {
   check_ndim(op, "keys", keys, 4, "[B, H, T, D]");
   check_ndim(op, "filters", filters, 2, "[H, D]");
   if (!is_score_dtype(keys.dtype())) {
@@ -379,8 +373,7 @@ mx::array projection_scores(const mx::array& keys, const mx::array& filters,
     os << "filters must be a floating-point array, got " << filters.dtype();
     fail(op, os.str());
   }
-  const int B = keys.shape(0), H = keys.shape(1), T_ = keys.shape(2),
-            D = keys.shape(3);
+  const int H = keys.shape(1), D = keys.shape(3);
   if (filters.shape(0) != H || filters.shape(1) != D) {
     std::ostringstream os;
     os << "filters must have shape [H, D] = (" << H << ", " << D
@@ -391,6 +384,31 @@ mx::array projection_scores(const mx::array& keys, const mx::array& filters,
   if (sign != 1 && sign != -1) {
     fail(op, "sign must be +1 or -1, got " + std::to_string(sign));
   }
+}
+
+void score_into(const mx::array& keys, const mx::array& filters, float* out,
+                int sign) {
+  const mx::Dtype t = keys.dtype();
+  if (t == mx::float32) {
+    score_kernel<float>(keys, filters, out, sign);
+  } else if (t == mx::float16) {
+    score_kernel<mx::float16_t>(keys, filters, out, sign);
+  } else if (t == mx::bfloat16) {
+    score_kernel<mx::bfloat16_t>(keys, filters, out, sign);
+  } else {
+    throw std::runtime_error("[qfilters.projection_scores] unsupported key dtype");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Ops
+// ---------------------------------------------------------------------------
+
+mx::array projection_scores(const mx::array& keys, const mx::array& filters,
+                            int sign, mx::StreamOrDevice s) {
+  constexpr const char* op = "qfilters.projection_scores";
+  check_score_inputs(op, keys, filters, sign);
+  const int B = keys.shape(0), H = keys.shape(1), T_ = keys.shape(2);
   mx::Stream stream = cpu_stream(op, s);
   mx::array f = mx::astype(filters, mx::float32, stream);
   return mx::array(
@@ -466,17 +484,7 @@ void ProjectionScores::eval_cpu(const std::vector<mx::array>& inputs,
                     filters = mx::array::unsafe_weak_copy(filters),
                     out = mx::array::unsafe_weak_copy(out),
                     sign = sign_]() mutable {
-    const mx::Dtype t = keys.dtype();
-    if (t == mx::float32) {
-      score_kernel<float>(keys, filters, out, sign);
-    } else if (t == mx::float16) {
-      score_kernel<mx::float16_t>(keys, filters, out, sign);
-    } else if (t == mx::bfloat16) {
-      score_kernel<mx::bfloat16_t>(keys, filters, out, sign);
-    } else {
-      throw std::runtime_error(
-          "[qfilters.projection_scores] unsupported key dtype");
-    }
+    score_into(keys, filters, out.data<float>(), sign);
   });
 }
 

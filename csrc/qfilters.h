@@ -47,6 +47,15 @@ std::vector<mx::array> select_compact(
     int recent,
     mx::StreamOrDevice s = {});
 
+// Shared with decode_select_keys: the projection_scores input checks, and the
+// CPU scoring loop writing sign * <k, u_h> for keys [B,H,T,D] (any strides,
+// float32|float16|bfloat16) and float32 filters [H,D] to a contiguous
+// [B,H,T] float32 buffer.
+void check_score_inputs(const char* op, const mx::array& keys,
+                        const mx::array& filters, int sign);
+void score_into(const mx::array& keys, const mx::array& filters, float* out,
+                int sign);
+
 // Path of qfilters.metallib when this extension was built with Metal and the
 // library is installed next to it (then the ops accept GPU streams and
 // eval_gpu runs metal/qfilters.metal); otherwise nullopt.

@@ -101,3 +101,58 @@ def test_slot_mode_keeps_the_select_keep_set_and_returns_budget_plus_one():
     out_k, _ = c.update_and_fetch(k[:, :, :4], k[:, :, :4])
     assert out_k.shape[2] == 24
     np.testing.assert_array_equal(np.array(out_k[:, :, 20:]), keys[:, :, :4])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_decode_select_keys_equals_scoring_then_select(dtype, sign):
+    """The fused op equals projection_scores + decode_select: bit for bit in the cpp
+    backend (same scoring loop), and the reference composition up to float32 rounding
+    of the new score (victims compared on tie-free data)."""
+    rng = np.random.default_rng(11 + sign)
+    B, H, S, D, position = 2, 3, 40, 80, 900
+    sc = mx.array(rng.standard_normal((B, H, S)).astype(np.float32))
+    pos = mx.array(np.stack([np.stack([rng.permutation(position)[:S] for _ in range(H)])
+                             for _ in range(B)]).astype(np.int64))
+    keys_t = mx.array(rng.standard_normal((B, 1, H, D)).astype(np.float32)).astype(dtype)
+    keys = keys_t.transpose(0, 2, 1, 3)  # strided, like RoPE output
+    filters = mx.array(rng.standard_normal((H, D)).astype(np.float32))
+    free = mx.array(rng.integers(0, S, (B, H)).astype(np.int32))
+    got = _ext.decode_select_keys(sc, pos, keys, filters, free, position, sign, 2, 5)
+    two_ops = _ext.decode_select(sc, pos, _ext.projection_scores(keys, filters, sign), free,
+                                 position, 2, 5)
+    for g, w in zip(got, two_ops):
+        np.testing.assert_array_equal(np.array(g), np.array(w))
+    want = ref.decode_select(sc, pos, ref.projection_scores(keys, filters, sign), free,
+                             position, 2, 5)
+    np.testing.assert_allclose(np.array(got[0]), np.array(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+    np.testing.assert_array_equal(np.array(got[2]), np.array(want[2]))
+    # the new token's score sits in its slot
+    new = np.einsum("bhd,hd->bh", np.array(keys[:, :, 0].astype(mx.float32), np.float64),
+                    np.array(filters, np.float64)) * sign
+    slot = np.array(free)
+    stored = np.take_along_axis(np.array(got[0]), slot[:, :, None], 2)[:, :, 0]
+    np.testing.assert_allclose(stored, new, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"\[qfilters.decode_select_keys\].*sign"):
+        _ext.decode_select_keys(sc, pos, keys, filters, free, position, 0, 2, 5)
+    with pytest.raises(ValueError, match=r"\[qfilters.decode_select_keys\]"):
+        _ext.decode_select_keys(sc, pos, keys, filters[:2], free, position, sign, 2, 5)
+    with pytest.raises(ValueError, match=r"\[qfilters.decode_select_keys\]"):
+        _ext.decode_select_keys(sc, pos, keys, filters, free, position, sign, 30, 10)
+
+
+def test_backends_compose_decode_select_keys_from_their_own_ops():
+    from qfilters_mlx.kernels import get_backend
+
+    rng = np.random.default_rng(5)
+    sc = mx.array(rng.standard_normal((1, 2, 10)).astype(np.float32))
+    pos = mx.broadcast_to(mx.arange(10, dtype=mx.int64), (1, 2, 10))
+    keys = mx.array(rng.standard_normal((1, 2, 1, 8)).astype(np.float32))
+    f = mx.array(rng.standard_normal((2, 8)).astype(np.float32))
+    free = mx.array([[3, 7]], dtype=mx.int32)
+    be = get_backend("reference")
+    got = be.decode_select_keys(sc, pos, keys, f, free, 10, -1, 1, 2)
+    want = ref.decode_select(sc, pos, ref.projection_scores(keys, f, -1), free, 10, 1, 2)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.array(g), np.array(w))

@@ -238,8 +238,9 @@ class QFiltersKVCache(_BaseCache):
 
     def _decode_step(self, keys, values):
         """Single-token update once the cache is full: write the token into the free
-        slot (``backend.write_slot``, in place in the cpp backend) and pick the next
-        slot to free (``backend.decode_select``)."""
+        slot (``backend.write_slot``, in place in the cpp backend), score it and pick
+        the next slot to free (``backend.decode_select_keys`` for Q-Filters: one
+        primitive in the cpp backend; ``decode_select`` of the method's score otherwise)."""
         c = self.config
         if self._free is None:  # enter slot mode: one spare row after the kept ones
             n = self._n
@@ -248,21 +249,26 @@ class QFiltersKVCache(_BaseCache):
             self.scores, self.positions = spare(self.scores), spare(self.positions)
             B, H = self.keys.shape[:2]
             self._free = mx.full((B, H), n, dtype=mx.int32)
-        pos = None
-        if self.method in ("random", "streaming_llm"):
-            B, H = keys.shape[:2]
-            pos = mx.full((B, H, 1), self.offset, dtype=mx.int64)
-        new_scores = insertion_scores(
-            c.method, keys, pos, filters=self.filter, sign=c.score_sign, seed=c.qfilters_seed,
-            layer=self.layer_idx, backend=self.backend, finite=False,
-        )
-        free = self._free
-        self.keys = self.backend.write_slot(self.keys, keys, free)
-        self.values = self.backend.write_slot(self.values, values, free)
-        self.scores, self.positions, self._free = self.backend.decode_select(
-            self.scores, self.positions, new_scores, free, self.offset,
-            c.qfilters_n_sink, c.protected_recent,
-        )
+        free, be = self._free, self.backend
+        self.keys = be.write_slot(self.keys, keys, free)
+        self.values = be.write_slot(self.values, values, free)
+        if self.method == "qfilters":  # score + bookkeeping in one op (cpp)
+            self.scores, self.positions, self._free = be.decode_select_keys(
+                self.scores, self.positions, keys, self.filter, free, self.offset,
+                c.score_sign, c.qfilters_n_sink, c.protected_recent,
+            )
+        else:
+            pos = None
+            if self.method in ("random", "streaming_llm"):
+                pos = mx.full((*keys.shape[:2], 1), self.offset, dtype=mx.int64)
+            new_scores = insertion_scores(
+                c.method, keys, pos, filters=self.filter, sign=c.score_sign,
+                seed=c.qfilters_seed, layer=self.layer_idx, backend=be, finite=False,
+            )
+            self.scores, self.positions, self._free = be.decode_select(
+                self.scores, self.positions, new_scores, free, self.offset,
+                c.qfilters_n_sink, c.protected_recent,
+            )
         self.offset += 1
         return self.keys, self.values
 

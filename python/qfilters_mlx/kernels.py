@@ -13,6 +13,9 @@ A *backend* provides these operations with the exact semantics of
   ``write_slot(buf, rows, free)``: the new K/V row into the free slot; each one
   primitive in the cpp backend (write_slot reuses the buffer in place), the
   reference elsewhere.
+* ``decode_select_keys(scores, positions, new_keys, filters, free, position,
+  sign, n_sink, recent)``: ``decode_select`` of the Q-Filters score of
+  ``new_keys [B,H,1,D]`` (one fused primitive in the cpp backend).
 
 Backends: ``"reference"`` (pure MLX, always available), ``"cpp"`` (the compiled
 extension ``qfilters_mlx._ext``), ``"metal"`` (Metal kernels). ``"auto"`` picks
@@ -42,6 +45,18 @@ class Backend:
     select_compact: Callable[..., tuple[mx.array, mx.array, mx.array]]
     decode_select: Callable[..., tuple] = reference.decode_select
     write_slot: Callable[..., mx.array] = reference.write_slot
+    decode_select_keys: Callable[..., tuple] | None = None
+
+    def __post_init__(self):
+        if self.decode_select_keys is None:  # compose this backend's own two ops
+            project, select = self.projection_scores, self.decode_select
+
+            def decode_select_keys(scores, positions, new_keys, filters, free, position, sign,
+                                   n_sink, recent):
+                return select(scores, positions, project(new_keys, filters, sign), free,
+                              position, n_sink, recent)
+
+            object.__setattr__(self, "decode_select_keys", decode_select_keys)
 
 
 def _reference_select_compact(scores, keys, values, budget, n_sink, recent):
@@ -59,7 +74,7 @@ def _cpp_backend() -> Backend | None:
     except ImportError:
         return None
     return Backend("cpp", _ext.projection_scores, _ext.select_compact, _ext.decode_select,
-                   _ext.write_slot)
+                   _ext.write_slot, _ext.decode_select_keys)
 
 
 def _metal_available() -> bool:
