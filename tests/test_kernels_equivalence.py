@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernel_inputs import TIE_BREAK_CASES, TIE_BREAK_SCORES, score_array
 from qfilters_mlx import reference
 
 _ext = pytest.importorskip("qfilters_mlx._ext", reason="compiled extension not built")
@@ -146,16 +147,8 @@ def test_projection_scores_special_float16_values():
 # --------------------------------------------------------------------------
 
 
-def _scores(rng: np.random.Generator, shape, mode: str) -> mx.array:
-    s = rng.standard_normal(shape).astype(np.float32)
-    if mode == "ties":  # a handful of distinct values: ties everywhere
-        s = np.round(s * 2) / 2
-        s[rng.random(shape) < 0.1] = -0.0
-        s[rng.random(shape) < 0.05] = np.nan
-        s[rng.random(shape) < 0.03] = -np.inf
-    elif mode == "const":
-        s = np.full(shape, 0.25, np.float32)
-    return mx.array(s)
+def _scores(rng, shape, mode):
+    return mx.array(score_array(rng, shape, mode))
 
 
 def _budgets(T: int) -> list[int]:
@@ -211,20 +204,9 @@ def test_select_compact_matches_reference(dtype, T):
 
 def test_select_compact_tie_break_and_special_values():
     # Equal scores: the earlier position wins. NaN ranks with -inf, -0.0 == +0.0.
-    s = np.array([1.0, 0.0, np.nan, -0.0, 1.0, -np.inf, 0.0, 1.0], np.float32)
-    scores = mx.array(s.reshape(1, 1, 8))
+    scores = mx.array(TIE_BREAK_SCORES.reshape(1, 1, 8))
     keys = mx.array(np.arange(8, dtype=np.float32).reshape(1, 1, 8, 1))
-    cases = {
-        (1, 0, 0): [0],
-        (3, 0, 0): [0, 4, 7],
-        (4, 0, 0): [0, 1, 4, 7],  # 0.0 at 1 beats -0.0 at 3 (earlier)
-        (5, 0, 0): [0, 1, 3, 4, 7],
-        (7, 0, 0): [0, 1, 2, 3, 4, 6, 7],  # NaN (2) ties -inf (5): earlier wins
-        (4, 1, 1): [0, 1, 4, 7],
-        (3, 0, 2): [0, 6, 7],
-        (3, 2, 1): [0, 1, 7],
-    }
-    for (budget, n_sink, recent), want in cases.items():
+    for (budget, n_sink, recent), want in TIE_BREAK_CASES.items():
         kept, k_out, _ = _ext.select_compact(scores, keys, keys, budget, n_sink, recent)
         assert np.array(kept)[0, 0].tolist() == want, (budget, n_sink, recent)
         assert np.array(reference.select_keep(scores, budget, n_sink, recent))[0, 0].tolist() == want

@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernel_inputs import TIE_BREAK_CASES, TIE_BREAK_SCORES, score_array
 from qfilters_mlx import metal_kernels as mk
 from qfilters_mlx import reference
 
@@ -335,16 +336,8 @@ def test_projection_scores_special_values_emulated(emu, tmp_path):
 # --------------------------------------------------------------------------
 
 
-def _scores(rng: np.random.Generator, shape, mode: str) -> np.ndarray:
-    s = rng.standard_normal(shape).astype(np.float32)
-    if mode == "ties":  # a handful of distinct values, NaN, -0.0, -inf
-        s = np.round(s * 2) / 2
-        s[rng.random(shape) < 0.1] = -0.0
-        s[rng.random(shape) < 0.05] = np.nan
-        s[rng.random(shape) < 0.03] = -np.inf
-    elif mode == "const":
-        s = np.full(shape, 0.25, np.float32)
-    return s
+def _scores(rng, shape, mode):
+    return score_array(rng, shape, mode)
 
 
 def _budgets(T: int) -> list[int]:
@@ -429,17 +422,8 @@ def test_select_gather_emulated(emu, tmp_path, T):
 
 
 def test_select_tie_break_and_special_values_emulated(emu, tmp_path):
-    s = np.array([1.0, 0.0, np.nan, -0.0, 1.0, -np.inf, 0.0, 1.0], np.float32).reshape(1, 1, 8)
-    cases = {
-        (1, 0, 0): [0],
-        (3, 0, 0): [0, 4, 7],
-        (4, 0, 0): [0, 1, 4, 7],  # 0.0 at 1 beats -0.0 at 3 (earlier)
-        (5, 0, 0): [0, 1, 3, 4, 7],
-        (7, 0, 0): [0, 1, 2, 3, 4, 6, 7],  # NaN (2) ties -inf (5): earlier wins
-        (4, 1, 1): [0, 1, 4, 7],
-        (3, 0, 2): [0, 6, 7],
-        (3, 2, 1): [0, 1, 7],
-    }
+    s = TIE_BREAK_SCORES.reshape(1, 1, 8)
+    cases = TIE_BREAK_CASES
     e = Emu(emu, tmp_path)
     paths = {}
     for (budget, n_sink, recent) in cases:

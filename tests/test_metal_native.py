@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernel_inputs import TIE_BREAK_CASES, TIE_BREAK_SCORES, score_array
 from qfilters_mlx import kernels, reference
 
 HAS_METAL = mx.metal.is_available()
@@ -183,15 +184,7 @@ def test_float16_beyond_range_native(metal):
 
 
 def _scores(rng, shape, mode):
-    s = rng.standard_normal(shape).astype(np.float32)
-    if mode == "ties":
-        s = np.round(s * 2) / 2
-        s[rng.random(shape) < 0.1] = -0.0
-        s[rng.random(shape) < 0.05] = np.nan
-        s[rng.random(shape) < 0.03] = -np.inf
-    elif mode == "const":
-        s = np.full(shape, 0.25, np.float32)
-    return s
+    return score_array(rng, shape, mode)
 
 
 @needs_metal
@@ -229,12 +222,9 @@ def test_select_compact_native(metal, T):
 
 @needs_metal
 def test_tie_break_and_special_values_native(metal):
-    s = mx.array(np.array([1.0, 0.0, np.nan, -0.0, 1.0, -np.inf, 0.0, 1.0], np.float32).reshape(1, 1, 8))
+    s = mx.array(TIE_BREAK_SCORES.reshape(1, 1, 8))
     keys = mx.array(np.arange(8, dtype=np.float32).reshape(1, 1, 8, 1))
-    cases = {(1, 0, 0): [0], (3, 0, 0): [0, 4, 7], (4, 0, 0): [0, 1, 4, 7],
-             (5, 0, 0): [0, 1, 3, 4, 7], (7, 0, 0): [0, 1, 2, 3, 4, 6, 7],
-             (4, 1, 1): [0, 1, 4, 7], (3, 0, 2): [0, 6, 7], (3, 2, 1): [0, 1, 7]}
-    for (budget, n_sink, recent), want in cases.items():
+    for (budget, n_sink, recent), want in TIE_BREAK_CASES.items():
         kept, k, _ = metal.select_compact(s, keys, keys, budget, n_sink, recent)
         assert np.array(kept)[0, 0].tolist() == want
         assert np.array(k)[0, 0, :, 0].tolist() == want
