@@ -49,6 +49,11 @@ def _spearman_summary(results):
     return out
 
 
+def _retrieval_budgets(settings) -> list[int]:
+    """Budgets of the retrieval table (older results files ran every budget)."""
+    return list(settings.get("retrieval_budgets", settings["budgets"]))
+
+
 def markdown(results, command: str = "") -> str:
     """The markdown report: perplexity, verdicts, retrieval, score quality."""
     s = results["settings"]
@@ -98,6 +103,7 @@ def markdown(results, command: str = "") -> str:
                   f"{list(s['retrieval_depths'])}, prefill chunk {s['retrieval_chunk']}, greedy "
                   f"{s['retrieval_answer_tokens']} tokens)", "",
                   "Cells: correct / prompts (per context: " + ", ".join(map(str, contexts)) + ").", ""]
+        budgets = _retrieval_budgets(s)
         lines.append("| arm | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         lines.append("|---|" + "---|" * len(budgets))
         by = defaultdict(list)
@@ -164,6 +170,7 @@ def figure(results):
     ax.legend(fontsize=6, ncol=2)
 
     ax = axes[1]
+    budgets = _retrieval_budgets(results["settings"])
     r = results.get("retrieval", {})
     acc = defaultdict(list)
     for c in r.values():

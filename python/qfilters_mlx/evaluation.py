@@ -436,6 +436,10 @@ class EvalSettings:
     ppl_scored: int = 2048
     check_budget: int | None = None  # extra budget >= length where every arm must equal full
     retrieval_contexts: tuple = (1024, 2048, 4096)
+    # Retrieval prefills every prompt in 64-token chunks through one batch row per
+    # (arm, budget): the cost grows with the rows, so it runs at two budgets
+    # (the smallest and largest that differ in what survives).
+    retrieval_budgets: tuple = (128, 512)
     retrieval_depths: tuple = (0.1, 0.5, 0.9)
     retrieval_answer_tokens: int = 16
     retrieval_chunk: int = 64
@@ -451,7 +455,7 @@ class EvalSettings:
 
     @classmethod
     def quick_settings(cls) -> "EvalSettings":
-        return cls(budgets=(32,), calib_tokens=16, ppl_prefix=16, ppl_scored=112, check_budget=256,
+        return cls(budgets=(32,), retrieval_budgets=(32,), calib_tokens=16, ppl_prefix=16, ppl_scored=112, check_budget=256,
                    retrieval_contexts=(256,), retrieval_depths=(0.5,), retrieval_answer_tokens=12,
                    retrieval_chunk=32, sq_tokens=160, sq_cached=(96,), sq_window=32, quick=True)
 
@@ -540,7 +544,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
     r_jobs = []
     for ctx in s.retrieval_contexts if "retrieval" in parts else ():
         for depth in s.retrieval_depths:
-            cells = [(a, b, c) for a, b, c in expand(r_arms, s.budgets, **kw)
+            cells = [(a, b, c) for a, b, c in expand(r_arms, s.retrieval_budgets, **kw)
                      if f"{a.name}@{b}@{ctx}@{depth}" not in results["retrieval"]]
             full_done = f"full@{ctx}@{depth}" in results["retrieval"]
             if cells or not full_done:
