@@ -403,7 +403,8 @@ def merge(args) -> None:
     summary = summarize(raw, keys, {})
     meta = dict(runs[0]["meta"])
     meta["runs"] = [r["meta"] for r in runs]
-    meta["repeats"] = min(r["meta"]["repeats"] for r in runs)
+    meta["repeats"] = max(len({(r["run"], r["repeat"]) for r in raw if r["length"] == n})
+                          for n in {r["length"] for r in raw})
     meta["loadavg_start"] = [max(r["meta"]["loadavg_start"][0] for r in runs)] * 3
     meta["loadavg_end"] = [max(r["meta"]["loadavg_end"][0] for r in runs)] * 3
     meta["complete"] = all(r["meta"].get("complete") for r in runs)
@@ -458,7 +459,21 @@ def summarize(raw, rows, instr) -> list[dict]:
             s[f"gen_vs_{name}"] = s["generation_tps"] / ref["generation_tps"]
             s[f"gen_median_vs_{name}"] = s["generation_tps_median_step"] / ref["generation_tps_median_step"]
             s[f"prompt_vs_{name}"] = s["prompt_tps"] / ref["prompt_tps"]
+            # paired: the ratio within each repeat (arms of a repeat ran back to back), median
+            # over repeats; robust to slow drifts of a shared machine's load
+            for key, metric in (("gen", "generation_tps_median_step"), ("prompt", "prompt_tps")):
+                s[f"{key}_paired_vs_{name}"] = _paired(raw, s, ref, metric)
     return out
+
+
+def _paired(raw, row, ref, metric):
+    """Median over repeats of row[metric] / ref[metric] measured in the same repeat (and run)."""
+    def at(s):
+        return {(r.get("run", 0), r["repeat"]): r[metric] for r in raw
+                if (r["length"], r["budget"], r["arm"]) == (s["length"], s["budget"], s["arm"])}
+    a, b = at(row), at(ref)
+    ratios = [a[k] / b[k] for k in a if k in b]
+    return statistics.median(ratios) if ratios else None
 
 
 def fmt(x, spec):
@@ -467,23 +482,25 @@ def fmt(x, spec):
 
 def markdown(summary, meta, args) -> str:
     L = [f"SmolLM2-135M-Instruct float32 on {meta['machine']}, mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}, "
-         f"{meta['velox']}; {meta['max_tokens']} greedy tokens, median of {meta['repeats']} interleaved "
+         f"{meta['velox']}; {meta['max_tokens']} greedy tokens, medians over up to {meta['repeats']} interleaved "
          f"repeat(s); load average {meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end "
          f"(shared 2-core machine, other jobs running: absolute numbers are low and noisy, compare ratios)."
          + ("" if meta.get("complete") else " PARTIAL: the run had not finished when this was written."), "",
-         "| prompt | budget | arm | prompt tok/s | gen tok/s | gen tok/s (median step) | gen x full "
+         "| prompt | budget | arm | reps | prompt tok/s | gen tok/s | gen tok/s (median step) | gen x full "
          "| gen x rotating | prompt x full | peak MB | KV after chunk MB | cache ms/step | cache share |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         L.append(
-            f"| {s['length']} | {s['budget'] or '-'} | {s['arm']} | {s['prompt_tps']:.0f} | "
+            f"| {s['length']} | {s['budget'] or '-'} | {s['arm']} | {s['repeats']} | {s['prompt_tps']:.0f} | "
             f"{s['generation_tps']:.2f} | {s['generation_tps_median_step']:.2f} | "
-            f"{fmt(s.get('gen_median_vs_full'), '.2f')} | {fmt(s.get('gen_median_vs_rotating'), '.2f')} | "
-            f"{fmt(s.get('prompt_vs_full'), '.2f')} | "
+            f"{fmt(s.get('gen_paired_vs_full'), '.2f')} | {fmt(s.get('gen_paired_vs_rotating'), '.2f')} | "
+            f"{fmt(s.get('prompt_paired_vs_full'), '.2f')} | "
             f"{s['peak_memory_mb']:.0f} | {s['kv_after_chunk_max_mb']:.1f} | "
             f"{s['cache_ms_per_step']:.2f} | {s['cache_share']:.0%} |")
     L += ["", "gen tok/s: (tokens - 1) / decode time, as mlx-lm reports it; gen tok/s (median step): 1 / median "
-          "time between generated tokens (robust to load spikes; the x full / x rotating ratios use it). "
+          "time between generated tokens (robust to load spikes). x full / x rotating: paired ratios, the "
+          "ratio of two arms measured in the same repeat (back to back), median over repeats (gen: of the "
+          "median-step rates). "
           "KV after chunk: largest sum of the caches' `nbytes` seen after any prefill chunk "
           f"(budget + one {PREFILL_STEP}-token chunk, float32 K+V, all layers: "
           + ", ".join(f"budget {b}: {v:.1f} MB" for b, v in meta["kv_budget_plus_chunk_mb"].items())
@@ -499,8 +516,8 @@ def targets(summary, meta) -> list[str]:
     cpp = [s for s in summary if s["arm"] == "qfilters-cpp"]
     for s in cpp:
         n, b = s["length"], s["budget"]
-        rot = s.get("gen_median_vs_rotating")
-        full = s.get("gen_median_vs_full")
+        rot = s.get("gen_paired_vs_rotating")
+        full = s.get("gen_paired_vs_full")
         v = by.get((n, b, "velox-qfilters"))
         parts = [f"- N={n} budget {b}: gen {rot and f'{rot:.2f}'}x rotating "
                  f"({'met' if rot is not None and rot >= 0.95 else 'MISSED'} >= 0.95)"]
@@ -512,7 +529,7 @@ def targets(summary, meta) -> list[str]:
             parts.append(f"vs velox: gen {g:.2f}x, prompt {pr:.2f}x ({'met' if g > 1 and pr > 1 else 'MISSED'})")
         if n == 8192:
             bound = meta["kv_budget_plus_chunk_mb"].get(b, meta["kv_budget_plus_chunk_mb"].get(str(b)))
-            pf = s.get("prompt_vs_full")
+            pf = s.get("prompt_paired_vs_full")
             parts.append(f"prefill: KV after chunk {s['kv_after_chunk_max_mb']:.1f} MB vs budget + chunk "
                          f"{bound:.1f} MB ({'met' if s['kv_after_chunk_max_mb'] <= bound else 'MISSED'}), prompt "
                          f"{fmt(pf, '.2f')}x full ({'met' if pf is not None and pf >= 0.9 else 'MISSED'} >= 0.9)")
