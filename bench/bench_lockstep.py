@@ -1,10 +1,11 @@
-"""Decode speed of several caches in lockstep: one token per arm per round, order rotating.
+"""Prefill and decode speed of several caches in lockstep: arms take turns chunk by chunk and token by token.
 
 ``bench_generate.py`` runs each arm's 200 tokens back to back, so on a shared
 machine a load change between two arms' runs moves their ratio by more than the
-caches differ. Here every arm is prefilled with the same prompt (mlx-lm's
-``generate_step`` prefill: ``prefill_step_size`` 2048, then the first token),
-and the decode steps are interleaved: round ``i`` generates one greedy token with
+caches differ. Here the arms take turns: the prompt is prefilled in 2,048-token
+chunks (mlx-lm's ``prefill_step_size``; after each chunk the caches' state is
+evaluated, as mlx-lm does), one chunk per arm in an order that rotates, and the
+decode steps are interleaved the same way: round ``i`` generates one greedy token with
 each arm, in an order that rotates every round, timing each step (model call +
 argmax + ``mx.eval``, as ``generate_step`` does per token, without its
 one-step-ahead ``async_eval`` overlap, which is the same for every arm). Steps of
@@ -15,15 +16,16 @@ time per arm and the median over rounds of each arm's step time relative to
 
 Arms are those of ``bench_generate.py`` (same settings: n_sink 4, recent
 budget/2, key-SVD filter sign -1 over the first 128 keys); by default the full
-cache, ``RotatingKVCache`` and qfilters-cpp, all budgets of one prompt length in
-one lockstep group (the full cache once).
+cache, ``RotatingKVCache``, qfilters-cpp and veloxquant-mlx's Q-Filters cache,
+all budgets of one prompt length in one lockstep group (the full cache once).
+Ratios to veloxquant-mlx are in the JSON (``*_vs_velox``).
 
 Usage::
 
-    python bench/bench_decode_paired.py                     # 1k, 4k; budgets 256, 512
-    python bench/bench_decode_paired.py --lengths 1024 --budgets 256 --steps 32   # quick look
+    python bench/bench_lockstep.py                     # 1k, 4k, 8k; budgets 256, 512
+    python bench/bench_lockstep.py --lengths 1024 --budgets 256 --steps 32   # quick look
 
-Writes ``bench/results/decode_paired.{json,md}``.
+Writes ``bench/results/lockstep.{json,md}``.
 """
 
 from __future__ import annotations
@@ -40,23 +42,35 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
 
 from qfilters_mlx.prepare_model import prepare_model  # noqa: E402
 from qfilters_mlx.prompts import source_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_ARMS = ("full", "rotating", "qfilters-cpp")
+DEFAULT_ARMS = ("full", "rotating", "qfilters-cpp", "velox-qfilters")
 
 
-def prefill(model, prompt: mx.array, arm: str, budget: int):
-    """Fresh caches for ``arm``, filled with ``prompt`` by mlx-lm; returns (caches, first token)."""
-    caches, ctx = build(arm, model, budget)
-    with ctx:
-        gen = generate_step(prompt, model, max_tokens=1, prompt_cache=caches,
-                            prefill_step_size=PREFILL_STEP)
-        tok, _ = next(gen)
-    return caches, int(tok)
+def prefill_lockstep(model, prompt: mx.array, arms: list) -> tuple[dict, dict]:
+    """Fresh caches per arm, filled with ``prompt`` in ``PREFILL_STEP``-token chunks, the arms
+    taking turns chunk by chunk (order rotating); after each chunk the caches' state is
+    evaluated, as mlx-lm's prefill does. Returns ``{arm: (caches, first token)}`` and
+    ``{arm: [seconds per chunk]}``."""
+    built = {a: build(a[0], model, a[1] or 0) for a in arms}
+    state, times = {}, {a: [] for a in arms}
+    starts = list(range(0, prompt.size, PREFILL_STEP))
+    for i, s0 in enumerate(starts):
+        chunk = prompt[s0:s0 + PREFILL_STEP][None]
+        for a in arms[i % len(arms):] + arms[:i % len(arms)]:
+            caches, ctx = built[a]
+            mx.synchronize()
+            t0 = time.perf_counter()
+            with ctx:
+                logits = model(chunk, cache=caches)
+            nxt = mx.argmax(logits[0, -1])
+            mx.eval(nxt, [c.state for c in caches])
+            times[a].append(time.perf_counter() - t0)
+            state[a] = (caches, int(nxt.item()))
+    return state, times
 
 
 def step(model, caches, tok: int) -> tuple[int, float]:
@@ -70,8 +84,8 @@ def step(model, caches, tok: int) -> tuple[int, float]:
 
 
 def run_group(model, prompt: mx.array, arms: list[tuple[str, int | None]], steps: int,
-              warmup: int) -> dict:
-    state = {a: prefill(model, prompt, a[0], a[1] or 0) for a in arms}
+              warmup: int) -> tuple[dict, dict]:
+    state, prefill_times = prefill_lockstep(model, prompt, arms)
     times = {a: [] for a in arms}
     for r in range(steps + warmup):
         order = arms[r % len(arms):] + arms[:r % len(arms)]
@@ -81,20 +95,25 @@ def run_group(model, prompt: mx.array, arms: list[tuple[str, int | None]], steps
             state[a] = (caches, tok)
             if r >= warmup:
                 times[a].append(dt)
-    return times
+    return prefill_times, times
 
 
-def summarize(n: int, times: dict) -> list[dict]:
+def summarize(n: int, prefill_times: dict, times: dict) -> list[dict]:
     rows = []
     ref_full = next((a for a in times if a[0] == "full"), None)
     for (arm, b), ts in times.items():
+        pf = prefill_times[(arm, b)]
         row = {"length": n, "budget": b, "arm": arm, "steps": len(ts),
-               "step_ms": 1e3 * statistics.median(ts), "tps": 1.0 / statistics.median(ts)}
-        for name, ref in (("full", ref_full), ("rotating", ("rotating", b) if b else None)):
+               "step_ms": 1e3 * statistics.median(ts), "tps": 1.0 / statistics.median(ts),
+               "prefill_s": sum(pf), "prompt_tps": n / sum(pf)}
+        for name, ref in (("full", ref_full), ("rotating", ("rotating", b) if b else None),
+                          ("velox", ("velox-qfilters", b) if b else None)):
             if ref is None or ref not in times or ref == (arm, b):
                 continue
             # tokens/s ratio of this arm to ref, per round, median over rounds
             row[f"tps_vs_{name}"] = statistics.median(r / t for t, r in zip(ts, times[ref]))
+            # prompt tokens/s ratio: chunk by chunk interleaved, so the totals are paired
+            row[f"prompt_vs_{name}"] = sum(prefill_times[ref]) / sum(pf)
         rows.append(row)
     return rows
 
@@ -103,23 +122,27 @@ def markdown(rows: list[dict], meta: dict) -> str:
     L = [f"SmolLM2-135M-Instruct float32 on {meta['machine']}, mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; "
          f"{meta['steps']} lockstep decode rounds after {meta['warmup']} warm-up rounds; load average "
          f"{meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end.", "",
-         "| prompt | budget | arm | step ms (median) | tok/s | tok/s x rotating (paired) | tok/s x full (paired) |",
-         "|---:|---:|---|---:|---:|---:|---:|"]
+         "| prompt | budget | arm | prompt tok/s | prompt x full | prompt x rotating | step ms (median) "
+         "| gen tok/s | gen x rotating (paired) | gen x full (paired) | prompt / gen x velox |",
+         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
     for r in rows:
-        L.append(f"| {r['length']} | {r['budget'] or '-'} | {r['arm']} | {r['step_ms']:.1f} | {r['tps']:.2f} | "
-                 f"{f(r.get('tps_vs_rotating'))} | {f(r.get('tps_vs_full'))} |")
-    L += ["", "Paired ratio: per round, (1 / this arm's step time) / (1 / the reference arm's step time in the "
-          "same round), median over rounds."]
+        L.append(f"| {r['length']} | {r['budget'] or '-'} | {r['arm']} | {r['prompt_tps']:.1f} | "
+                 f"{f(r.get('prompt_vs_full'))} | {f(r.get('prompt_vs_rotating'))} | {r['step_ms']:.1f} | "
+                 f"{r['tps']:.2f} | {f(r.get('tps_vs_rotating'))} | {f(r.get('tps_vs_full'))} | "
+                 f"{f(r.get('prompt_vs_velox'))} / {f(r.get('tps_vs_velox'))} |")
+    L += ["", "gen x ...: per round, (1 / this arm's step time) / (1 / the reference arm's step time in the "
+          "same round), median over rounds. prompt x ...: ratio of total prefill times, the arms' chunks "
+          f"({PREFILL_STEP} tokens) having run in turns."]
     return "\n".join(L) + "\n"
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096])
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 8192])
     p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[256, 512])
     p.add_argument("--arms", type=lambda s: s.split(","), default=list(DEFAULT_ARMS))
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=64)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-write", action="store_true")
@@ -145,17 +168,18 @@ def main(argv=None) -> None:
         # one lockstep group per prompt: the full cache once, every other arm at every budget
         arms = [(a, None) for a in args.arms if a == "full"]
         arms += [(a, b) for b in args.budgets for a in args.arms if a != "full"]
-        got = summarize(n, run_group(model, prompt, arms, args.steps, args.warmup))
+        got = summarize(n, *run_group(model, prompt, arms, args.steps, args.warmup))
         rows += got
         for r in got:
-            print(f"N={n:5d} b={r['budget']} {r['arm']:20s} {r['step_ms']:8.1f} ms  "
+            print(f"N={n:5d} b={r['budget']} {r['arm']:20s} prompt {r['prompt_tps']:6.1f} tok/s "
+                  f"x full {r.get('prompt_vs_full', float('nan')):.3f}  step {r['step_ms']:8.1f} ms  "
                   f"x rotating {r.get('tps_vs_rotating', float('nan')):.3f}  "
                   f"x full {r.get('tps_vs_full', float('nan')):.3f}", flush=True)
         meta["loadavg_end"] = os.getloadavg()
         if not args.no_write:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "decode_paired.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-            (args.out / "decode_paired.md").write_text(markdown(rows, meta))
+            (args.out / "lockstep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            (args.out / "lockstep.md").write_text(markdown(rows, meta))
     print(markdown(rows, meta))
 
 
