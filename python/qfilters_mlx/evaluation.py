@@ -455,8 +455,8 @@ class EvalSettings:
 
     @classmethod
     def quick_settings(cls) -> "EvalSettings":
-        return cls(budgets=(32,), retrieval_budgets=(32,), calib_tokens=16, ppl_prefix=16, ppl_scored=112, check_budget=256,
-                   retrieval_contexts=(256,), retrieval_depths=(0.5,), retrieval_answer_tokens=12,
+        return cls(budgets=(32,), retrieval_budgets=(32,), calib_tokens=16, ppl_prefix=16,
+                   ppl_scored=112, check_budget=256, retrieval_contexts=(256,), retrieval_depths=(0.5,), retrieval_answer_tokens=12,
                    retrieval_chunk=32, sq_tokens=160, sq_cached=(96,), sq_window=32, quick=True)
 
     def to_json(self) -> dict:

@@ -298,4 +298,3 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
     evictable = (positions >= n_sink) & (positions < position + 1 - recent)
     victim = mx.argmin(mx.where(evictable, key, _key_max()), axis=-1).astype(mx.int32)
     return scores, positions, victim
-
