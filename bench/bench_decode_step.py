@@ -52,7 +52,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 from qfilters_mlx import KVCacheConfig  # noqa: E402
-from qfilters_mlx.cache import QFiltersKVCache  # noqa: E402
+from qfilters_mlx.cache.kv_cache import QFiltersKVCache  # noqa: E402
 
 H_KV, H_Q, HEAD_DIM, DTYPE = 3, 9, 64, mx.float32
 CHUNK = 2048

@@ -74,8 +74,8 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 from qfilters_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from qfilters_mlx.prepare_model import prepare_model  # noqa: E402
-from qfilters_mlx.prompts import source_text  # noqa: E402
+from qfilters_mlx.assets.prepare_model import prepare_model  # noqa: E402
+from qfilters_mlx.assets.prompts import source_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_START = 16384  # token offset of every prompt in the joined text

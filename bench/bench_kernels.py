@@ -39,7 +39,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from qfilters_mlx import reference
+from qfilters_mlx.backends import reference
 
 try:
     from qfilters_mlx import _ext
@@ -51,7 +51,7 @@ def _metal_backend():
     """The ``metal`` backend (metallib, else JIT) when Metal is present."""
     if not mx.metal.is_available():
         return None
-    from qfilters_mlx.metal_kernels import metal_backend
+    from qfilters_mlx.backends.metal import metal_backend
 
     return metal_backend("auto")
 

@@ -43,8 +43,8 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
-from qfilters_mlx.prepare_model import prepare_model  # noqa: E402
-from qfilters_mlx.prompts import source_text  # noqa: E402
+from qfilters_mlx.assets.prepare_model import prepare_model  # noqa: E402
+from qfilters_mlx.assets.prompts import source_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ARMS = ("full", "rotating", "qfilters-cpp", "velox-qfilters")

@@ -6,7 +6,7 @@ import pytest
 
 from oracle import np_attention, np_keep_rows
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
-from qfilters_mlx.kernels import get_backend
+from qfilters_mlx.backends.dispatch import get_backend
 
 
 def make(method="qfilters", budget=16, n_sink=2, recent=4, calib=8, sign=1, **kw):
@@ -78,7 +78,7 @@ def test_precalibration_passthrough():
 
 
 def test_filter_frozen_from_exactly_first_calib_keys():
-    from qfilters_mlx import reference as ref
+    from qfilters_mlx.backends import reference as ref
 
     k, v = rand_kv(3, B=2, T=40)
     c = make(calib=13)
@@ -242,7 +242,7 @@ def test_trim_only_before_eviction():
 
 
 def test_trim_into_calibration_drops_filter_and_recalibrates_identically():
-    from qfilters_mlx import reference as ref
+    from qfilters_mlx.backends import reference as ref
 
     k, v = rand_kv(14, T=30)
     c = make(budget=64, calib=10)

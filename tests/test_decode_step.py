@@ -8,7 +8,7 @@ import pytest
 
 from oracle import np_keep_rows
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
-from qfilters_mlx import reference as ref
+from qfilters_mlx.backends import reference as ref
 
 _ext = pytest.importorskip("qfilters_mlx._ext")
 
@@ -143,7 +143,7 @@ def test_decode_select_keys_equals_scoring_then_select(dtype, sign):
 
 
 def test_backends_compose_decode_select_keys_from_their_own_ops():
-    from qfilters_mlx.kernels import get_backend
+    from qfilters_mlx.backends.dispatch import get_backend
 
     rng = np.random.default_rng(5)
     sc = mx.array(rng.standard_normal((1, 2, 10)).astype(np.float32))

@@ -15,8 +15,8 @@ from mlx_lm.models.cache import KVCache
 from scipy.stats import spearmanr
 
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
-from qfilters_mlx.eval_arms import Arm, default_arms, expand, retrieval_arms
-from qfilters_mlx.evaluation import (
+from qfilters_mlx.evaluation.arms import Arm, default_arms, expand, retrieval_arms
+from qfilters_mlx.evaluation.run import (
     MultiArmCache,
     batched_greedy,
     batched_streaming_nll,
@@ -191,7 +191,7 @@ def test_score_quality_against_scipy_on_planted_geometry():
 
 
 def test_retrieval_prompt_places_the_needle():
-    from qfilters_mlx.evaluation import NEEDLE, QUESTION, retrieval_prompt
+    from qfilters_mlx.evaluation.run import NEEDLE, QUESTION, retrieval_prompt
 
     class Tok:  # whitespace tokenizer with a trivial chat template
         vocab: dict = {}
@@ -218,7 +218,7 @@ def test_retrieval_prompt_places_the_needle():
 def test_settings_compare_equal_after_a_json_round_trip():
     import json
 
-    from qfilters_mlx.evaluation import EvalSettings
+    from qfilters_mlx.evaluation.run import EvalSettings
 
     s = EvalSettings.full()
     assert json.loads(json.dumps(s.to_json())) == s.to_json()
@@ -226,7 +226,7 @@ def test_settings_compare_equal_after_a_json_round_trip():
 
 def test_query_arms_batched_equal_alone(model):
     """MultiArmCache forwards each row's queries to its cache (online query filter, auto sign)."""
-    from qfilters_mlx.eval_arms import query_arms
+    from qfilters_mlx.evaluation.arms import query_arms
 
     rng = np.random.default_rng(3)
     filters = mx.array(rng.standard_normal((len(model.layers), 2, 16)).astype(np.float32))

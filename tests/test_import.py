@@ -8,7 +8,7 @@ def test_import_loads_no_kernel_and_no_mlx():
     code = (
         "import sys, qfilters_mlx\n"
         "import qfilters_mlx.blas\n"
-        "bad = [m for m in ('mlx.core', 'qfilters_mlx._ext', 'qfilters_mlx.metal_kernels') if m in sys.modules]\n"
+        "bad = [m for m in ('mlx.core', 'qfilters_mlx._ext', 'qfilters_mlx.backends.metal') if m in sys.modules]\n"
         "print(','.join(bad))\n"
         "from qfilters_mlx import KVCacheConfig, QFiltersKVCache\n"
         "c = QFiltersKVCache(KVCacheConfig(qfilters_backend='reference'))\n"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kernel_inputs import TIE_BREAK_CASES, TIE_BREAK_SCORES, score_array
-from qfilters_mlx import reference
+from qfilters_mlx.backends import reference
 
 _ext = pytest.importorskip("qfilters_mlx._ext", reason="compiled extension not built")
 
@@ -294,7 +294,7 @@ def test_select_compact_rejects_bad_inputs(args):
 
 
 def test_kernels_backend_dispatch_uses_extension():
-    from qfilters_mlx import kernels
+    from qfilters_mlx.backends import dispatch as kernels
 
     be = kernels.get_backend("cpp")
     assert be.name == "cpp"

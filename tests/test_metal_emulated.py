@@ -38,8 +38,8 @@ import numpy as np
 import pytest
 
 from kernel_inputs import TIE_BREAK_CASES, TIE_BREAK_SCORES, score_array
-from qfilters_mlx import metal_kernels as mk
-from qfilters_mlx import reference
+from qfilters_mlx.backends import metal as mk
+from qfilters_mlx.backends import reference
 
 REPO = Path(__file__).resolve().parent.parent
 EMU_DIR = REPO / "tests" / "metal_emu"

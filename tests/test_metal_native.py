@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from kernel_inputs import TIE_BREAK_CASES, TIE_BREAK_SCORES, score_array
-from qfilters_mlx import kernels, reference
+from qfilters_mlx.backends import dispatch as kernels
+from qfilters_mlx.backends import reference
 
 HAS_METAL = mx.metal.is_available()
 needs_metal = pytest.mark.skipif(not HAS_METAL, reason="no Metal GPU")
@@ -54,7 +55,7 @@ def test_import_compiles_nothing():
 
 @pytest.mark.skipif(HAS_METAL, reason="Metal is available here")
 def test_metal_backend_without_metal_raises():
-    from qfilters_mlx import metal_kernels
+    from qfilters_mlx.backends import metal as metal_kernels
 
     with pytest.raises(ValueError, match="metal"):
         kernels.get_backend("metal")
@@ -108,7 +109,7 @@ def metal(request):
     """(backend, poisoned) for one entry point."""
     if not HAS_METAL:
         pytest.skip("no Metal GPU")
-    from qfilters_mlx import metal_kernels
+    from qfilters_mlx.backends import metal as metal_kernels
 
     if request.param == "jit":
         jit = metal_kernels.JitKernels(poison=POISON)

@@ -6,8 +6,8 @@ import pytest
 from mlx_lm.models import llama
 
 from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache, observe_queries
-from qfilters_mlx import calibration as cal
-from qfilters_mlx import reference as ref
+from qfilters_mlx.filters import calibration as cal
+from qfilters_mlx.backends import reference as ref
 
 
 def planted(rng, Hq=9, T=256, D=32, B=1):

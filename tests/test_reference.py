@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from oracle import np_keep_rows
-from qfilters_mlx import reference as ref
+from qfilters_mlx.backends import reference as ref
 
 
 def planted_keys(rng, B, H, T, D, strength=6.0):

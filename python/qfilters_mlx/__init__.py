@@ -11,11 +11,11 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "KVCacheBuilder": ".builder",
+    "KVCacheBuilder": ".cache.builder",
     "KVCacheConfig": ".config",
     "METHODS": ".config",
-    "QFiltersKVCache": ".cache",
-    "observe_queries": ".observe",
+    "QFiltersKVCache": ".cache.kv_cache",
+    "observe_queries": ".filters.observe",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

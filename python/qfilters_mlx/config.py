@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .kernels import BACKENDS
+from qfilters_mlx.backends.dispatch import BACKENDS
 
 METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
 """Eviction methods sharing one engine (see DESIGN.md, "Scorers")."""

@@ -26,7 +26,7 @@ FAST_BLAS = enable_fast_blas()
 @pytest.fixture(scope="session")
 def model_path():
     """SmolLM2-135M-Instruct prepared in the user cache folder (skipped without the wheel)."""
-    from qfilters_mlx.prepare_model import prepare_model
+    from qfilters_mlx.assets.prepare_model import prepare_model
 
     try:
         return prepare_model()

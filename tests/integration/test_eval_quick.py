@@ -18,13 +18,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    from qfilters_mlx.prepare_model import prepare_model
+    from qfilters_mlx.assets.prepare_model import prepare_model
 
     try:
         prepare_model()
     except FileNotFoundError as err:
         pytest.skip(f"SmolLM2 not available: {err}")
-    from qfilters_mlx.cli import main
+    from qfilters_mlx.commands.cli import main
 
     out = tmp_path_factory.mktemp("eval") / "eval_quick.json"
     status = main(["eval", "--quick", "--no-progress", "--out", str(out)])
@@ -45,8 +45,8 @@ def test_full_cache_equals_one_plain_forward_pass(quick_run):
     import mlx.core as mx
     from mlx_lm import load
 
-    from qfilters_mlx.prepare_model import prepare_model
-    from qfilters_mlx.prompts import source_text
+    from qfilters_mlx.assets.prepare_model import prepare_model
+    from qfilters_mlx.assets.prompts import source_text
 
     _, _, res = quick_run
     s = res["settings"]
@@ -65,7 +65,7 @@ def test_full_cache_equals_one_plain_forward_pass(quick_run):
 
 
 def test_cells_and_budget_covering_length(quick_run):
-    from qfilters_mlx.eval_arms import default_arms
+    from qfilters_mlx.evaluation.arms import default_arms
 
     _, _, res = quick_run
     s = res["settings"]
@@ -83,7 +83,7 @@ def test_cells_and_budget_covering_length(quick_run):
     # at the evicting budget, recent=0 Q-Filters differs from the full cache (eviction happened)
     assert p[f"qfilters-keys+1@r0@{s['budgets'][0]}"]["ppl"] > 1.2 * full["ppl"]
     r = res["retrieval"]
-    from qfilters_mlx.eval_arms import query_arms, retrieval_arms
+    from qfilters_mlx.evaluation.arms import query_arms, retrieval_arms
 
     per_budget = len(retrieval_arms(default_arms() + query_arms()))  # no --filters in quick mode
     assert any(k.startswith("full@") for k in r) and len(r) == 1 + per_budget * len(s["budgets"])

@@ -27,7 +27,7 @@ def model_and_tokenizer(model_path):
 @pytest.fixture(scope="module")
 def prompt_tokens(model_and_tokenizer):
     """The shipped long prompt through the chat template, as the CLI builds it."""
-    from qfilters_mlx.prompts import long_prompt
+    from qfilters_mlx.assets.prompts import long_prompt
 
     _, tokenizer = model_and_tokenizer
     text = tokenizer.apply_chat_template(
@@ -59,7 +59,7 @@ def _greedy(model, tokenizer, tokens, caches, max_tokens, prefill_step_size=2048
 
 def _config(budget):
     """The command line's default configuration (the online query filter)."""
-    from qfilters_mlx.cli import _config_or_error, build_parser
+    from qfilters_mlx.commands.cli import _config_or_error, build_parser
 
     parser = build_parser()
     return _config_or_error(parser, parser.parse_args(["generate", "--budget", str(budget)]))
@@ -138,7 +138,7 @@ def _field(output: str, name: str) -> str:
 
 
 def test_cli_end_to_end(model_path, model_and_tokenizer, prompt_tokens, capsys):
-    from qfilters_mlx.cli import main
+    from qfilters_mlx.commands.cli import main
 
     max_tokens = 20
     assert main(["generate", "--max-tokens", str(max_tokens)]) == 0

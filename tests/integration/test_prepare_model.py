@@ -19,7 +19,7 @@ import shutil  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from qfilters_mlx import prepare_model as pm  # noqa: E402
+from qfilters_mlx.assets import prepare_model as pm  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

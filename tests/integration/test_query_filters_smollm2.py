@@ -10,7 +10,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def filters_file(model_path, tmp_path_factory):
-    from qfilters_mlx.cli import main
+    from qfilters_mlx.commands.cli import main
 
     out = str(tmp_path_factory.mktemp("filters") / "smollm2.safetensors")
     assert main(["calibrate", "--model", str(model_path), "--out", out, "--tokens", "512",
@@ -23,9 +23,9 @@ def test_calibrated_filters_fit_the_model_and_oppose_the_key_direction(model_pat
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache
 
-    from qfilters_mlx import reference as ref
-    from qfilters_mlx.calibration import load_filters
-    from qfilters_mlx.prompts import calibration_text
+    from qfilters_mlx.backends import reference as ref
+    from qfilters_mlx.filters.calibration import load_filters
+    from qfilters_mlx.assets.prompts import calibration_text
 
     model, tokenizer = load(str(model_path))
     filters, meta = load_filters(filters_file, model)
@@ -44,7 +44,7 @@ def test_calibrated_filters_fit_the_model_and_oppose_the_key_direction(model_pat
 
 
 def test_generate_with_filters_and_auto_sign(model_path, filters_file, capsys):
-    from qfilters_mlx.cli import main
+    from qfilters_mlx.commands.cli import main
 
     base = ["generate", "--model", str(model_path), "--max-tokens", "4", "--budget", "128"]
     assert main(base + ["--filters", filters_file]) == 0

@@ -26,37 +26,12 @@ backend is resolved only when :func:`get_backend` is called.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import mlx.core as mx
 
-from . import reference
+from qfilters_mlx.backends import reference
+from qfilters_mlx.backends.base import Backend
 
 BACKENDS = ("auto", "reference", "cpp", "metal")
-
-
-@dataclass(frozen=True)
-class Backend:
-    """The operations of one backend (see the module docstring for shapes)."""
-
-    name: str
-    projection_scores: Callable[[mx.array, mx.array, int], mx.array]
-    select_compact: Callable[..., tuple[mx.array, mx.array, mx.array]]
-    decode_select: Callable[..., tuple] = reference.decode_select
-    write_slot: Callable[..., mx.array] = reference.write_slot
-    decode_select_keys: Callable[..., tuple] | None = None
-
-    def __post_init__(self):
-        if self.decode_select_keys is None:  # compose this backend's own two ops
-            project, select = self.projection_scores, self.decode_select
-
-            def decode_select_keys(scores, positions, new_keys, filters, free, position, sign,
-                                   n_sink, recent):
-                return select(scores, positions, project(new_keys, filters, sign), free,
-                              position, n_sink, recent)
-
-            object.__setattr__(self, "decode_select_keys", decode_select_keys)
 
 
 def _reference_select_compact(scores, keys, values, budget, n_sink, recent):
@@ -70,7 +45,7 @@ REFERENCE = Backend("reference", reference.projection_scores, _reference_select_
 
 def _cpp_backend() -> Backend | None:
     try:
-        from . import _ext  # type: ignore[attr-defined]
+        from qfilters_mlx import _ext
     except ImportError:
         return None
     return Backend("cpp", _ext.projection_scores, _ext.select_compact, _ext.decode_select,
@@ -85,7 +60,7 @@ def _metal_backend() -> Backend:
     """Metal kernels: the metallib built with the extension when installed,
     else the same kernel source through ``mx.fast.metal_kernel`` (see
     :mod:`qfilters_mlx.metal_kernels`). Raises ValueError without Metal."""
-    from .metal_kernels import metal_backend
+    from qfilters_mlx.backends.metal import metal_backend
 
     return metal_backend("auto")
 

@@ -16,34 +16,17 @@ File format (safetensors): one tensor ``"filters"`` and string metadata
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import mlx.core as mx
 import numpy as np
 
-from . import __version__, reference
-from .capture import capture_attention
+from qfilters_mlx import __version__
+from qfilters_mlx.backends import reference
+from qfilters_mlx.filters.capture import capture_attention
+from qfilters_mlx.model_info import check_filters_shape, model_dims, model_identity
 
 FORMAT = "qfilters-mlx/filters-v1"
 SIGN_CONVENTION = "score = +(k . f)"
 PAPER_SIGN_CONVENTION = "score = -(k . f)"
-
-
-def model_dims(model) -> tuple[int, int, int]:
-    """``(n_layers, n_kv_heads, head_dim)`` of an mlx-lm model."""
-    from .builder import model_head_dim
-
-    args = model.args
-    n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    return len(model.layers), int(n_kv), model_head_dim(model)
-
-
-def model_identity(model) -> str:
-    """A stable hash (16 hex chars) of the model's configuration (``model.args``)."""
-    args = {k: v for k, v in sorted(vars(model.args).items())}
-    blob = json.dumps(args, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -> mx.array:
@@ -98,7 +81,7 @@ def save_filters(path: str, filters: mx.array, model, **info) -> None:
 
     ``info`` adds string metadata (e.g. ``calibration_text``, ``calibration_tokens``).
     """
-    _check_shape(filters, model)
+    check_filters_shape(filters, model)
     n_layers, n_kv, hd = model_dims(model)
     meta = {
         "format": FORMAT, "model_id": model_identity(model), "n_layers": str(n_layers),
@@ -107,15 +90,6 @@ def save_filters(path: str, filters: mx.array, model, **info) -> None:
     }
     meta.update({k: str(v) for k, v in info.items()})
     mx.save_safetensors(path, {"filters": filters.astype(mx.float32)}, meta)
-
-
-def _check_shape(filters, model) -> None:
-    want = model_dims(model)
-    if not isinstance(filters, mx.array) or tuple(filters.shape) != want:
-        raise ValueError(f"filters must have shape [n_layers, n_kv_heads, head_dim] = {want}, "
-                         f"got {getattr(filters, 'shape', type(filters).__name__)}")
-    if not mx.issubdtype(filters.dtype, mx.floating):
-        raise TypeError(f"filters must be floating point, got {filters.dtype}")
 
 
 def load_filters(path: str, model=None) -> tuple[mx.array, dict]:
@@ -139,7 +113,7 @@ def load_filters(path: str, model=None) -> tuple[mx.array, dict]:
         if meta.get("model_id") != mid:
             raise ValueError(f"{path} was calibrated for model {meta.get('model_id')}, "
                              f"not this model ({mid})")
-        _check_shape(filters, model)
+        check_filters_shape(filters, model)
     return filters, meta
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from .capture import capture_attention
+from qfilters_mlx.filters.capture import capture_attention
 
 
 @contextmanager

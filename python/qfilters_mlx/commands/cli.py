@@ -100,7 +100,7 @@ def _openblas_mapped() -> str | None:
     Only the Debian OpenBLAS folders count: numpy's own bundled OpenBLAS
     (``libscipy_openblas*``) is mapped too but MLX does not use it.
     """
-    from .blas import OPENBLAS_CANDIDATES
+    from qfilters_mlx.blas import OPENBLAS_CANDIDATES
 
     folders = tuple(os.path.dirname(p) + "/" for p in OPENBLAS_CANDIDATES)
     try:
@@ -122,7 +122,7 @@ def _ensure_fast_blas(reexec: bool) -> str | None:
     """
     if not sys.platform.startswith("linux") or os.environ.get(_NO_FAST_BLAS_ENV):
         return None
-    from . import blas
+    from qfilters_mlx import blas
 
     if "mlx.core" not in sys.modules:
         return blas.enable_fast_blas()
@@ -139,7 +139,7 @@ def _ensure_fast_blas(reexec: bool) -> str | None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "qfilters_mlx.cli", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", "qfilters_mlx.commands.cli", *sys.argv[1:]], env)
     return None  # not reached
 
 
@@ -169,8 +169,8 @@ def _str2bool(text: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``qfilters-mlx`` argument parser (imports mlx through the config module)."""
-    from .config import FILTER_SOURCES, METHODS
-    from .kernels import BACKENDS
+    from qfilters_mlx.config import FILTER_SOURCES, METHODS
+    from qfilters_mlx.backends.dispatch import BACKENDS
 
     parser = argparse.ArgumentParser(
         prog="qfilters-mlx",
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"at most this many query rows per head (default {DEFAULT_CALIB_SAMPLES})")
     cal.add_argument("--chunk", type=int, default=1024,
                      help="tokens per independent forward pass (default 1024)")
-    from .cli_eval import add_parser as _add_eval_parser
+    from qfilters_mlx.commands.eval import add_parser as _add_eval_parser
 
     _add_eval_parser(sub)
     return parser
@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------- commands
 def _config_or_error(parser: argparse.ArgumentParser, args):
     """The validated ``KVCacheConfig`` for ``args``; config errors go to ``parser.error``."""
-    from .config import KVCacheConfig
-    from .kernels import get_backend
+    from qfilters_mlx.config import KVCacheConfig
+    from qfilters_mlx.backends.dispatch import get_backend
 
     recent = args.recent if args.recent is not None else default_recent(args.budget, args.n_sink)
     sign = args.sign
@@ -353,7 +353,7 @@ def _read_prompt(parser: argparse.ArgumentParser, args) -> str:
         if args.prompt == "-":
             return sys.stdin.read()
         return args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    from .prompts import long_prompt
+    from qfilters_mlx.assets.prompts import long_prompt
 
     try:
         return long_prompt()
@@ -383,7 +383,7 @@ def _human_bytes(n: int) -> str:
 
 def cache_summary(caches) -> dict:
     """Totals over the eviction caches of one model (other layer caches are skipped)."""
-    from .cache import QFiltersKVCache
+    from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 
     ours = [c for c in caches if isinstance(c, QFiltersKVCache)]
     kept = sum(c.qfilters_kept_bytes for c in ours)
@@ -405,7 +405,7 @@ def _model_path(parser: argparse.ArgumentParser, args) -> Path:
         if not model_path.is_dir():
             parser.error(f"--model: {args.model} is not a model folder")
         return model_path
-    from .prepare_model import default_model_dir, is_prepared, prepare_model
+    from qfilters_mlx.assets.prepare_model import default_model_dir, is_prepared, prepare_model
 
     if not is_prepared(default_model_dir()):
         print(f"Preparing SmolLM2-135M-Instruct in {default_model_dir()} (once)...",
@@ -428,8 +428,8 @@ def _generate(parser: argparse.ArgumentParser, args, blas_library: str | None) -
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from .builder import KVCacheBuilder
-    from .observe import observe_queries
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+    from qfilters_mlx.filters.observe import observe_queries
 
     if args.seed is not None:
         mx.random.seed(args.seed)
@@ -531,14 +531,14 @@ def _calibrate(parser: argparse.ArgumentParser, args) -> int:
             parser.error(f"--text: {err}")
         source = args.text
     else:
-        from .prompts import calibration_text
+        from qfilters_mlx.assets.prompts import calibration_text
 
         text, source = calibration_text()
     model_path = _model_path(parser, args)
 
     from mlx_lm import load
 
-    from .calibration import calibrate_filters, save_filters
+    from qfilters_mlx.filters.calibration import calibrate_filters, save_filters
 
     model, tokenizer = load(str(model_path))
     ids = tokenizer.encode(text)[: args.tokens]
@@ -555,7 +555,7 @@ def _calibrate(parser: argparse.ArgumentParser, args) -> int:
 
 
 def _prepare(parser: argparse.ArgumentParser, args) -> int:
-    from .prepare_model import prepare_model
+    from qfilters_mlx.assets.prepare_model import prepare_model
 
     try:
         folder = prepare_model(out_dir=args.out, force=args.force)
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare-model":
         return _prepare(command_parser, args)
     if args.command == "eval":
-        from .cli_eval import run as _run_eval
+        from qfilters_mlx.commands.eval import run as _run_eval
 
         return _run_eval(command_parser, args)
     if args.command == "calibrate":

@@ -72,7 +72,7 @@ def _command(args) -> str:
 
 
 def _write_report(out: Path, results: dict, command: str) -> None:
-    from .eval_report import figure, markdown
+    from qfilters_mlx.evaluation.report import figure, markdown
 
     out.with_suffix(".md").write_text(markdown(results, command) + "\n")
     fig = figure(results)
@@ -95,17 +95,17 @@ def run(parser, args) -> int:
         print(out.with_suffix(".md").read_text())
         return 0
 
-    from .cli import _model_path
+    from qfilters_mlx.commands.cli import _model_path
 
     model_path = _model_path(parser, args)
 
     import mlx.core as mx
     from mlx_lm import load
 
-    from .capture import capture_attention
-    from .eval_arms import default_arms, query_arms
-    from .evaluation import EvalSettings, check_quick, run_evaluation, streaming_nll
-    from .prompts import source_text
+    from qfilters_mlx.filters.capture import capture_attention
+    from qfilters_mlx.evaluation.arms import default_arms, query_arms
+    from qfilters_mlx.evaluation.run import EvalSettings, check_quick, run_evaluation, streaming_nll
+    from qfilters_mlx.assets.prompts import source_text
 
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
     unknown = set(parts) - {"score_quality", "perplexity", "retrieval"}
@@ -115,7 +115,7 @@ def run(parser, args) -> int:
     model, tokenizer = load(str(model_path))
     filters = None
     if args.filters:
-        from .calibration import load_filters
+        from qfilters_mlx.filters.calibration import load_filters
 
         try:
             filters, _ = load_filters(args.filters, model)

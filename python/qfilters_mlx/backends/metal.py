@@ -304,7 +304,7 @@ def _metallib_ops() -> tuple[Callable, Callable] | None:
     """The compiled extension's GPU ops when it was built with Metal and its
     metallib is installed, else None."""
     try:
-        from . import _ext  # type: ignore[attr-defined]
+        from qfilters_mlx import _ext
     except ImportError:
         return None
     find = getattr(_ext, "metal_library_path", None)
@@ -330,7 +330,7 @@ def metal_backend(path: str = "auto"):
     Raises:
         ValueError: Metal is not available, or the requested path is not.
     """
-    from .kernels import Backend
+    from qfilters_mlx.backends.base import Backend
 
     if path not in ("auto", "jit", "metallib"):
         raise ValueError(f"path must be 'auto', 'jit' or 'metallib', got {path!r}")

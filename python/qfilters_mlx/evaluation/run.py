@@ -34,8 +34,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .eval_arms import Arm, default_arms, expand, retrieval_arms
-from .observe import observe_queries
+from qfilters_mlx.evaluation.arms import Arm, default_arms, expand, retrieval_arms
+from qfilters_mlx.filters.observe import observe_queries
 
 __all__ = [
     "EvalSettings",
@@ -370,9 +370,8 @@ def method_scores(keys: mx.array, layer: int, calib_tokens: int, seed: int, quer
     query filter and auto-sign key filter, both from the first ``calib_tokens``
     queries); with ``calibrated [Hkv, D]`` the offline filter of this layer.
     """
-    from . import reference
-    from .cache import _query_orientation
-    from .scorers import insertion_scores
+    from qfilters_mlx.backends import reference
+    from qfilters_mlx.cache.scorers import insertion_scores
 
     k = keys[None]  # [1, Hkv, T, D]
     T = k.shape[2]
@@ -388,7 +387,7 @@ def method_scores(keys: mx.array, layer: int, calib_tokens: int, seed: int, quer
     if queries is not None:
         q = queries[None, :, :calib_tokens]
         qf = reference.estimate_filter_from_queries(q, k.shape[1])
-        auto = filt * _query_orientation(filt, q)[:, None]
+        auto = filt * reference.query_orientation(filt, q)[:, None]
         out["qfilters-queries"] = insertion_scores("qfilters", k, pos, filters=qf, sign=1)
         out["qfilters-keys-auto"] = insertion_scores("qfilters", k, pos, filters=auto, sign=1)
     if calibrated is not None:
@@ -477,7 +476,7 @@ def _row_caches(arm: Arm, config, n_layers: int) -> list:
 
 
 def _head_dim(model) -> int:
-    from .builder import model_head_dim
+    from qfilters_mlx.model_info import model_head_dim
 
     return model_head_dim(model)
 

@@ -42,22 +42,12 @@ import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import reference
-from .config import KVCacheConfig
-from .kernels import get_backend
-from .scorers import insertion_scores
+from qfilters_mlx.backends import reference
+from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.backends.dispatch import get_backend
+from qfilters_mlx.cache.scorers import insertion_scores
 
 FILTER_BYTES_PER_ELEMENT = 4  # filters are float32
-
-
-def _query_orientation(filters: mx.array, queries: mx.array) -> mx.array:
-    """Per KV head ``+1``/``-1``: the sign of the mean projection of the group's
-    queries ``[B, H_q, T, D]`` onto ``filters [H_kv, D]`` (``+1`` on a zero mean)."""
-    B, Hq, T, D = queries.shape
-    H = filters.shape[0]
-    q = queries.astype(mx.float32).reshape(B, H, Hq // H, T, D)
-    mean = (q @ filters[None, :, None, :, None]).mean(axis=(0, 2, 3, 4))
-    return mx.where(mean < 0, -1.0, 1.0)
 
 
 class QFiltersKVCache(_BaseCache):
@@ -231,7 +221,7 @@ class QFiltersKVCache(_BaseCache):
         else:
             f = reference.estimate_filter_from_keys(self.keys[:, :, :c])
             if cfg.qfilters_sign == "auto":
-                f = f * _query_orientation(f, self._queries[:, :, :c])[:, None]
+                f = f * reference.query_orientation(f, self._queries[:, :, :c])[:, None]
         self.filter = f  # (queries are kept until the first eviction: trim may undo this)
         n = self._n
         self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])

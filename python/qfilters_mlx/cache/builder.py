@@ -4,27 +4,9 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache
 
-from .cache import QFiltersKVCache
-from .config import KVCacheConfig
-
-
-def model_head_dim(model) -> int:
-    """Key head dimension of an mlx-lm model.
-
-    Uses ``model.args.head_dim`` when present, else ``hidden_size // num_attention_heads``.
-
-    Raises:
-        ValueError: the model exposes neither.
-    """
-    args = getattr(model, "args", None)
-    hd = getattr(args, "head_dim", None)
-    if hd:
-        return int(hd)
-    hidden = getattr(args, "hidden_size", None)
-    heads = getattr(args, "num_attention_heads", None)
-    if hidden and heads:
-        return int(hidden) // int(heads)
-    raise ValueError("cannot infer head_dim: model.args has neither head_dim nor hidden_size/num_attention_heads")
+from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.model_info import model_head_dim
 
 
 def _layer_filters(model, config: KVCacheConfig):
@@ -33,7 +15,8 @@ def _layer_filters(model, config: KVCacheConfig):
     import mlx.core as mx
     import numpy as np
 
-    from .calibration import _check_shape, load_filters
+    from qfilters_mlx.filters.calibration import load_filters
+    from qfilters_mlx.model_info import check_filters_shape
 
     f = config.qfilters_filters
     if f is None or config.method != "qfilters":
@@ -41,7 +24,7 @@ def _layer_filters(model, config: KVCacheConfig):
     if isinstance(f, str):
         return load_filters(f, model)[0]
     f = mx.array(np.asarray(f)) if not isinstance(f, mx.array) else f
-    _check_shape(f, model)
+    check_filters_shape(f, model)
     return f.astype(mx.float32)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import reference
+from qfilters_mlx.backends import reference
 
 _GOLDEN = 0x9E3779B1
 _MIX1 = 0x85EBCA6B

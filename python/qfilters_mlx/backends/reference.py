@@ -298,3 +298,13 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
     evictable = (positions >= n_sink) & (positions < position + 1 - recent)
     victim = mx.argmin(mx.where(evictable, key, _key_max()), axis=-1).astype(mx.int32)
     return scores, positions, victim
+
+
+def query_orientation(filters: mx.array, queries: mx.array) -> mx.array:
+    """Per KV head ``+1``/``-1``: the sign of the mean projection of the group's
+    queries ``[B, H_q, T, D]`` onto ``filters [H_kv, D]`` (``+1`` on a zero mean)."""
+    B, Hq, T, D = queries.shape
+    H = filters.shape[0]
+    q = queries.astype(mx.float32).reshape(B, H, Hq // H, T, D)
+    mean = (q @ filters[None, :, None, :, None]).mean(axis=(0, 2, 3, 4))
+    return mx.where(mean < 0, -1.0, 1.0)

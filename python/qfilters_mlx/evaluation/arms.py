@@ -63,7 +63,7 @@ class Arm:
         Raises:
             ValueError: the combination is invalid (e.g. ``n_sink + recent >= budget``).
         """
-        from .config import KVCacheConfig
+        from qfilters_mlx.config import KVCacheConfig
 
         return KVCacheConfig(
             method=self.method,
@@ -82,7 +82,7 @@ class Arm:
         """One layer's cache for this arm."""
         if self.cache_factory is not None:
             return self.cache_factory(config, layer_idx)
-        from .cache import QFiltersKVCache
+        from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 
         return QFiltersKVCache(config, layer_idx=layer_idx)
 
@@ -140,7 +140,7 @@ def query_arms(filters=None, recent: Fraction = Fraction(1, 2)) -> list[Arm]:
     ]
     if filters is not None:
         def calibrated(config, layer_idx, _f=filters):
-            from .cache import QFiltersKVCache
+            from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 
             return QFiltersKVCache(config, layer_idx=layer_idx, filters=_f[layer_idx])
 

@@ -1,0 +1,1 @@
+"""Model-level evaluation (``qfilters-mlx eval``): arms, perplexity, retrieval, reports."""
