@@ -95,8 +95,8 @@ def gather_launch(B: int, H: int, K: int, D: int) -> tuple[int, int]:
 def metal_source_dir() -> Path:
     """Folder holding ``qfilters.h``: the installed package's ``metal/``, or
     the repository's ``metal/`` in a source checkout."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "metal", here.parent.parent / "metal"):
+    package = Path(__file__).resolve().parent.parent  # qfilters_mlx/
+    for cand in (package / "metal", package.parent.parent / "metal"):
         if (cand / "qfilters.h").is_file():
             return cand
     raise FileNotFoundError(

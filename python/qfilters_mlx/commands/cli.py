@@ -135,7 +135,7 @@ def _ensure_fast_blas(reexec: bool) -> str | None:
     env = dict(os.environ)
     env[_REEXEC_ENV] = "1"
     env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD")) if p)
-    package_parent = str(Path(__file__).resolve().parent.parent)
+    package_parent = str(Path(__file__).resolve().parent.parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
