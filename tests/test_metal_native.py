@@ -46,7 +46,7 @@ def test_import_compiles_nothing():
         "import mlx.core as mx\n"
         "def boom(*a, **k): raise SystemExit('metal_kernel called at import')\n"
         "mx.fast.metal_kernel = boom\n"
-        "import qfilters_mlx, qfilters_mlx.kernels, qfilters_mlx.metal_kernels\n"
+        "import qfilters_mlx, qfilters_mlx.backends.dispatch, qfilters_mlx.backends.metal\n"
         "print('ok')\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
