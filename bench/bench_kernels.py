@@ -26,20 +26,20 @@ writes ``bench/results/kernels.json``. Every timed call ends in ``mx.eval``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import statistics
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
+import common  # noqa: I001  (first: fast BLAS before MLX; same folder)
 
-import mlx.core as mx
-import numpy as np
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
-from qfilters_mlx.backends import reference
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import time_call  # noqa: E402
+from qfilters_mlx.backends import reference  # noqa: E402
 
 try:
     from qfilters_mlx import _ext
@@ -70,7 +70,7 @@ DTYPE = mx.float16
 N_SINK = 4
 SIGN = 1
 OPS = ("score", "select", "evict")
-RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
+RESULTS = common.RESULTS / "kernels.json"
 
 
 @dataclass(frozen=True)
@@ -178,20 +178,6 @@ def arms(x: Inputs) -> dict[tuple[str, str], Callable[[], object]]:
     return out
 
 
-def time_call(fn: Callable[[], object], min_time: float = 0.25, min_iters: int = 5,
-              max_iters: int = 200, warmup: int = 3) -> dict[str, float]:
-    """Warm up, then time ``mx.eval(fn())`` repeatedly; seconds per call."""
-    for _ in range(warmup):
-        mx.eval(fn())
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_iters or (time.perf_counter() - start < min_time and len(times) < max_iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return {"min_s": min(times), "median_s": statistics.median(times), "iters": len(times)}
-
-
 def run(configs: list[Config] = CONFIGS) -> dict:
     rows = []
     for cfg in configs:
@@ -289,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [Config(8, 128, 4096)] if args.quick else CONFIGS
     result = run(configs)
     print(format_table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    common.write_results(args.out, result)
     print(f"\nwrote {args.out}")
     return 0
 
