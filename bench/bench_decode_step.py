@@ -141,12 +141,10 @@ def run(args) -> dict:
 def print_table(res: dict, contexts) -> str:
     arms = res["arms"]
     by = {(s["arm"], s["context"]): s for s in res["summary"]}
-    lines = ["cache-only ms per decode step (median; in brackets: + one-query SDPA)", ""]
-    lines.append("| context | " + " | ".join(arms) + " |")
-    lines.append("|---:|" + "---:|" * len(arms))
-    for N in contexts:
-        cells = [f"{by[a, N]['step_ms']:.3f} ({by[a, N]['step_sdpa_ms']:.2f})" for a in arms]
-        lines.append(f"| {N} | " + " | ".join(cells) + " |")
+    rows = [[N] + [f"{by[a, N]['step_ms']:.3f} ({by[a, N]['step_sdpa_ms']:.2f})" for a in arms]
+            for N in contexts]
+    lines = ["cache-only ms per decode step (median; in brackets: + one-query SDPA)", "",
+             *common.md_table(["context", *arms], rows, "r" * (len(arms) + 1))]
     text = "\n".join(lines)
     print(text)
     return text

@@ -364,18 +364,17 @@ def markdown(summary, meta, args) -> str:
          f"{meta['velox']}; {meta['max_tokens']} greedy tokens, medians over up to {meta['repeats']} interleaved "
          f"repeat(s); load average {meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end "
          f"(shared 2-core machine, other jobs running: absolute numbers are low and noisy, compare ratios)."
-         + ("" if meta.get("complete") else " PARTIAL: the run had not finished when this was written."), "",
-         "| prompt | budget | arm | reps | prompt tok/s | gen tok/s | gen tok/s (median step) | gen x full "
-         "| gen x rotating | prompt x full | peak MB | KV after chunk MB | cache ms/step | cache share |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in summary:
-        L.append(
-            f"| {s['length']} | {s['budget'] or '-'} | {s['arm']} | {s['repeats']} | {s['prompt_tps']:.0f} | "
-            f"{s['generation_tps']:.2f} | {s['generation_tps_median_step']:.2f} | "
-            f"{fmt(s.get('gen_paired_vs_full'), '.2f')} | {fmt(s.get('gen_paired_vs_rotating'), '.2f')} | "
-            f"{fmt(s.get('prompt_paired_vs_full'), '.2f')} | "
-            f"{s['peak_memory_mb']:.0f} | {s['kv_after_chunk_max_mb']:.1f} | "
-            f"{s['cache_ms_per_step']:.2f} | {s['cache_share']:.0%} |")
+         + ("" if meta.get("complete") else " PARTIAL: the run had not finished when this was written."), ""]
+    L += common.md_table(
+        ["prompt", "budget", "arm", "reps", "prompt tok/s", "gen tok/s", "gen tok/s (median step)", "gen x full",
+         "gen x rotating", "prompt x full", "peak MB", "KV after chunk MB", "cache ms/step", "cache share"],
+        [[s["length"], s["budget"] or "-", s["arm"], s["repeats"], f"{s['prompt_tps']:.0f}",
+          f"{s['generation_tps']:.2f}", f"{s['generation_tps_median_step']:.2f}",
+          fmt(s.get("gen_paired_vs_full"), ".2f"), fmt(s.get("gen_paired_vs_rotating"), ".2f"),
+          fmt(s.get("prompt_paired_vs_full"), ".2f"), f"{s['peak_memory_mb']:.0f}",
+          f"{s['kv_after_chunk_max_mb']:.1f}", f"{s['cache_ms_per_step']:.2f}", f"{s['cache_share']:.0%}"]
+         for s in summary],
+        "rrlrrrrrrrrrrr")
     L += ["", "gen tok/s: (tokens - 1) / decode time, as mlx-lm reports it; gen tok/s (median step): 1 / median "
           "time between generated tokens (robust to load spikes). x full / x rotating: paired ratios, the "
           "ratio of two arms measured in the same repeat (back to back), median over repeats (gen: of the "

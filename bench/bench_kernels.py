@@ -213,16 +213,10 @@ def run(configs: list[Config] = CONFIGS) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [
-        "| H | D | T | op | arm | time (ms) | GB/s | x faster than ref | time / copy |",
-        "|---|---|---|---|---|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['H']} | {r['D']} | {r['T']} | {r['op']} | {r['arm']} | {r['min_s'] * 1e3:.3f} "
-            f"| {r['gb_per_s']:.2f} | {r['speedup_vs_reference']:.1f} | {r['time_vs_copy']:.2f} |"
-        )
-    return "\n".join(lines)
+    rows = [[r["H"], r["D"], r["T"], r["op"], r["arm"], f"{r['min_s'] * 1e3:.3f}", f"{r['gb_per_s']:.2f}",
+             f"{r['speedup_vs_reference']:.1f}", f"{r['time_vs_copy']:.2f}"] for r in result["rows"]]
+    return "\n".join(common.md_table(
+        ["H", "D", "T", "op", "arm", "time (ms)", "GB/s", "x faster than ref", "time / copy"], rows, "lllllrrrr"))
 
 
 # --------------------------------------------------------------------------

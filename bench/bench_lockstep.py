@@ -116,16 +116,15 @@ def summarize(n: int, prefill_times: dict, times: dict) -> list[dict]:
 def markdown(rows: list[dict], meta: dict) -> str:
     L = [f"SmolLM2-135M-Instruct float32 on {meta['machine']}, mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; "
          f"{meta['steps']} lockstep decode rounds after {meta['warmup']} warm-up rounds; load average "
-         f"{meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end.", "",
-         "| prompt | budget | arm | prompt tok/s | prompt x full | prompt x rotating | step ms (median) "
-         "| gen tok/s | gen x rotating (paired) | gen x full (paired) | prompt / gen x velox |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         f"{meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end.", ""]
     f = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
-    for r in rows:
-        L.append(f"| {r['length']} | {r['budget'] or '-'} | {r['arm']} | {r['prompt_tps']:.1f} | "
-                 f"{f(r.get('prompt_vs_full'))} | {f(r.get('prompt_vs_rotating'))} | {r['step_ms']:.1f} | "
-                 f"{r['tps']:.2f} | {f(r.get('tps_vs_rotating'))} | {f(r.get('tps_vs_full'))} | "
-                 f"{f(r.get('prompt_vs_velox'))} / {f(r.get('tps_vs_velox'))} |")
+    L += common.md_table(
+        ["prompt", "budget", "arm", "prompt tok/s", "prompt x full", "prompt x rotating", "step ms (median)",
+         "gen tok/s", "gen x rotating (paired)", "gen x full (paired)", "prompt / gen x velox"],
+        [[r["length"], r["budget"] or "-", r["arm"], f"{r['prompt_tps']:.1f}", f(r.get("prompt_vs_full")),
+          f(r.get("prompt_vs_rotating")), f"{r['step_ms']:.1f}", f"{r['tps']:.2f}", f(r.get("tps_vs_rotating")),
+          f(r.get("tps_vs_full")), f"{f(r.get('prompt_vs_velox'))} / {f(r.get('tps_vs_velox'))}"] for r in rows],
+        "rrlrrrrrrrr")
     L += ["", "gen x ...: per round, (1 / this arm's step time) / (1 / the reference arm's step time in the "
           "same round), median over rounds. prompt x ...: ratio of total prefill times, the arms' chunks "
           f"({PREFILL_STEP} tokens) having run in turns."]
