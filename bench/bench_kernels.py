@@ -127,16 +127,8 @@ class Inputs:
                 *self.copy_src.values())
 
 
-def _ref_select(x: Inputs):
-    c = x.cfg
-    kept = reference.select_keep(x.scores, c.budget, N_SINK, c.recent)
-    return (kept, *reference.compact(x.keys, x.values, kept))
-
-
-def _ref_evict(x: Inputs):
-    c = x.cfg
-    s = reference.projection_scores(x.keys, x.filters, SIGN)
-    kept = reference.select_keep(s, c.budget, N_SINK, c.recent)
+def _ref_select(x: Inputs, scores: mx.array):
+    kept = reference.select_keep(scores, x.cfg.budget, N_SINK, x.cfg.recent)
     return (kept, *reference.compact(x.keys, x.values, kept))
 
 
@@ -151,8 +143,8 @@ def arms(x: Inputs) -> dict[tuple[str, str], Callable[[], object]]:
     c = x.cfg
     out: dict[tuple[str, str], Callable[[], object]] = {
         ("score", "reference"): lambda: reference.projection_scores(x.keys, x.filters, SIGN),
-        ("select", "reference"): lambda: _ref_select(x),
-        ("evict", "reference"): lambda: _ref_evict(x),
+        ("select", "reference"): lambda: _ref_select(x, x.scores),
+        ("evict", "reference"): lambda: _ref_select(x, reference.projection_scores(x.keys, x.filters, SIGN)),
     }
     if _ext is not None:
         out[("score", "cpp")] = lambda: _ext.projection_scores(x.keys, x.filters, SIGN)

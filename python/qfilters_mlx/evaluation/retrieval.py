@@ -3,7 +3,8 @@
 :func:`retrieval_prompt` builds the chat-template prompt (instruction, about
 ``context_tokens`` tokens of prose in whole paragraphs, the needle at a
 paragraph boundary, the question); :func:`batched_greedy` answers it with many
-arms at once (one batch row each, chunked prefill as in mlx-lm).
+arms at once (one batch row each, chunked prefill as in mlx-lm). The instruction
+and the question are those of the shipped prompt (:mod:`qfilters_mlx.assets.prompts`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,13 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from qfilters_mlx.assets.prompts import INSTRUCTION, QUESTION
 from qfilters_mlx.evaluation.multi_arm import batch_caches
 from qfilters_mlx.filters.observe import observe_queries
 
-__all__ = ["INSTRUCTION", "NEEDLE", "QUESTION", "batched_greedy", "pass_key", "retrieval_prompt"]
+__all__ = ["NEEDLE", "batched_greedy", "pass_key", "retrieval_prompt"]
 
 NEEDLE = "The secret pass key is {key}. Remember it."
-QUESTION = "What is the secret pass key?"
-INSTRUCTION = (
-    "Below is an excerpt from the Python language reference. "
-    "A secret pass key is hidden somewhere in it. "
-    "Read it carefully and answer the question at the end."
-)
 
 
 def pass_key(seed: int, context: int, depth: float) -> str:
