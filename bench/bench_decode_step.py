@@ -34,59 +34,25 @@ Writes ``bench/results/decode_step.json`` and ``decode_step.png``.
 
 from __future__ import annotations
 
-from qfilters_mlx.blas import enable_fast_blas
-
-enable_fast_blas()
+import common  # noqa: I001  (first: fast BLAS before MLX; same folder)
 
 import argparse  # noqa: E402
-
-from bench_generate import code_version  # noqa: E402  (same folder; records the code measured)
-import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
-
-from qfilters_mlx import KVCacheConfig  # noqa: E402
-from qfilters_mlx.cache.kv_cache import QFiltersKVCache  # noqa: E402
 
 H_KV, H_Q, HEAD_DIM, DTYPE = 3, 9, 64, mx.float32
-CHUNK = 2048
-RESULTS = Path(__file__).resolve().parent / "results"
+CHUNK = common.PREFILL_STEP
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 ARMS = ("full", "rotating", "qfilters-reference", "qfilters-cpp", "velox-qfilters")
 
 
-def qf_config(budget: int, backend: str) -> KVCacheConfig:
-    return KVCacheConfig(
-        method="qfilters", qfilters_budget=budget, qfilters_n_sink=4,
-        qfilters_recent=budget // 2, qfilters_calib_tokens=128, qfilters_sign=-1,
-        qfilters_filter_source="keys", qfilters_backend=backend, head_dim=HEAD_DIM,
-    )
-
-
 def make_caches(arm: str, n_layers: int, budget: int) -> list:
-    if arm == "full":
-        return [KVCache() for _ in range(n_layers)]
-    if arm == "rotating":
-        return [RotatingKVCache(max_size=budget, keep=4) for _ in range(n_layers)]
-    if arm.startswith("qfilters-"):
-        cfg = qf_config(budget, arm.split("-", 1)[1])
-        return [QFiltersKVCache(cfg, layer_idx=i) for i in range(n_layers)]
-    if arm == "velox-qfilters":
-        from veloxquant_mlx.cache.base import KVCacheConfig as VConfig
-        from veloxquant_mlx.cache.qfilters_cache import QFiltersKVCache as VCache
-
-        cfg = VConfig(method="qfilters", head_dim=HEAD_DIM, qfilters_budget=budget,
-                      qfilters_n_sink=4, qfilters_recent=budget // 2,
-                      qfilters_calib_tokens=128, qfilters_sign=-1,
-                      qfilters_on_low_retention="ignore")
-        return [VCache(cfg) for _ in range(n_layers)]
-    raise ValueError(arm)
+    caches, _ = common.make_caches(arm, budget, n_layers=n_layers, head_dim=HEAD_DIM)
+    return caches
 
 
 def state_arrays(c) -> list:
@@ -112,26 +78,10 @@ def prefill(caches: list, n_tokens: int, seed: int) -> None:
 
 
 def time_steps(caches: list, steps: int, warmup: int, seed: int, sdpa: bool) -> list[float]:
-    key = mx.random.key(seed + 1)
-    ks = mx.random.normal((steps + warmup, len(caches), 2, 1, H_KV, 1, HEAD_DIM), dtype=DTYPE, key=key)
-    q = mx.random.normal((1, H_Q, 1, HEAD_DIM), dtype=DTYPE, key=mx.random.key(seed + 2))
-    mx.eval(ks, q)
-    times = []
-    for s in range(steps + warmup):
-        new = [(ks[s, i, 0], ks[s, i, 1]) for i in range(len(caches))]
-        mx.eval(new)
-        t0 = time.perf_counter()
-        mask = caches[0].make_mask(1, return_array=False, window_size=None)
-        outs = [c.update_and_fetch(k, v) for c, (k, v) in zip(caches, new)]
-        if sdpa:
-            outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5, mask=mask)
-                    for k, v in outs]
-        mx.eval(outs, mask if isinstance(mask, mx.array) else [])
-        mx.synchronize()
-        t1 = time.perf_counter()
-        if s >= warmup:
-            times.append(t1 - t0)
-    return times
+    """Seconds per decode step (:func:`common.cache_step_times`), with one 9-head query's SDPA
+    over every layer's returned keys/values when ``sdpa``."""
+    q = mx.random.normal((1, H_Q, 1, HEAD_DIM), dtype=DTYPE, key=mx.random.key(seed + 2)) if sdpa else None
+    return common.cache_step_times(caches, steps, warmup, H_KV, HEAD_DIM, seed=seed + 1, dtype=DTYPE, query=q)
 
 
 def stored_tokens(c) -> int:
@@ -191,12 +141,10 @@ def run(args) -> dict:
 def print_table(res: dict, contexts) -> str:
     arms = res["arms"]
     by = {(s["arm"], s["context"]): s for s in res["summary"]}
-    lines = ["cache-only ms per decode step (median; in brackets: + one-query SDPA)", ""]
-    lines.append("| context | " + " | ".join(arms) + " |")
-    lines.append("|---:|" + "---:|" * len(arms))
-    for N in contexts:
-        cells = [f"{by[a, N]['step_ms']:.3f} ({by[a, N]['step_sdpa_ms']:.2f})" for a in arms]
-        lines.append(f"| {N} | " + " | ".join(cells) + " |")
+    rows = [[N] + [f"{by[a, N]['step_ms']:.3f} ({by[a, N]['step_sdpa_ms']:.2f})" for a in arms]
+            for N in contexts]
+    lines = ["cache-only ms per decode step (median; in brackets: + one-query SDPA)", "",
+             *common.md_table(["context", *arms], rows, "r" * (len(arms) + 1))]
     text = "\n".join(lines)
     print(text)
     return text
@@ -239,38 +187,33 @@ def main(argv=None) -> None:
     p.add_argument("--sdpa-steps", type=int, default=8,
                    help="steps timed for the cache + SDPA figure (full-cache SDPA is slow at 64k)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(CONTEXTS))
+    p.add_argument("--contexts", type=common.int_list, default=list(CONTEXTS))
     p.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
     p.add_argument("--no-velox", action="store_true", help="drop the veloxquant-mlx arm")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.steps, args.repeats = 1, 16, 1
         args.contexts = [c for c in args.contexts if c <= 8192]
     if args.no_velox:
         args.arms = [a for a in args.arms if a != "velox-qfilters"]
-    try:
-        import veloxquant_mlx  # noqa: F401
-    except ImportError:
-        args.arms = [a for a in args.arms if a != "velox-qfilters"]
-    load0 = os.getloadavg()
+    args.arms, velox_note = common.available(args.arms)
+    meta = common.run_meta(velox=velox_note)
+    load0 = meta["loadavg_start"]
     t0 = time.time()
     res = run(args)
-    meta = {
+    meta.update({
         "layers": args.layers, "H_kv": H_KV, "H_q": H_Q, "head_dim": HEAD_DIM, "dtype": "float32",
         "budget": args.budget, "recent": args.budget // 2, "n_sink": 4, "prefill_chunk": CHUNK,
         "steps": args.steps, "warmup": args.warmup, "sdpa_steps": args.sdpa_steps, "sdpa_max_keys": args.sdpa_max_keys, "repeats": args.repeats,
-        "mlx": mx.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "code": code_version(),
-        "loadavg_start": load0, "loadavg_end": os.getloadavg(), "wall_s": time.time() - t0,
-    }
+        "loadavg_end": os.getloadavg(), "wall_s": time.time() - t0,
+    })
     res["meta"] = meta
     table = print_table(res, args.contexts)
     print(f"load average start {load0}, end {meta['loadavg_end']}")
     if not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
         res["table_md"] = table
-        (args.out / "decode_step.json").write_text(json.dumps(res, indent=1))
+        common.write_results(args.out / "decode_step.json", res)
         plot(res, args.out / "decode_step.png",
              f"SmolLM2 shapes, {args.layers} layers, H_kv {H_KV}, D {HEAD_DIM}, float32, "
              f"budget {args.budget}; load avg {load0[0]:.1f}")

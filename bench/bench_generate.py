@@ -1,8 +1,8 @@
 """End-to-end generation benchmark: qfilters caches against mlx-lm's caches and veloxquant-mlx.
 
-Model: SmolLM2-135M-Instruct, float32, fast BLAS (``qfilters_mlx.prepare_model``).
+Model: SmolLM2-135M-Instruct, float32, fast BLAS (``qfilters_mlx.assets.prepare_model``).
 Prompts: exactly ``N`` tokens (N in 1k, 2k, 4k, 8k) of real English prose, CPython's
-reference documentation (``qfilters_mlx.prompts.source_text``), taken from token
+reference documentation (``qfilters_mlx.assets.prompts.source_text``), taken from token
 ``PROMPT_START`` on (disjoint from the 2,048 perplexity-evaluation tokens).
 Generation: greedy, exactly ``--max-tokens`` (200) tokens through
 ``mlx_lm.generate.generate_step`` (EOS is not a stop: every arm does the same work),
@@ -54,77 +54,20 @@ Usage::
 
 from __future__ import annotations
 
-from qfilters_mlx.blas import enable_fast_blas
-
-BLAS = enable_fast_blas()
+import common  # noqa: I001  (first: fast BLAS before MLX; same folder)
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
-from qfilters_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from qfilters_mlx.assets.prepare_model import prepare_model  # noqa: E402
-from qfilters_mlx.assets.prompts import source_text  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-PROMPT_START = 16384  # token offset of every prompt in the joined text
-PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size
-N_SINK, CALIB, SIGN = 4, 128, -1
-ARMS = ("full", "rotating", "qfilters-reference", "qfilters-cpp", "qfilters-cpp-queries",
-        "velox-qfilters")
-
-
-# ----------------------------------------------------------------------------- arms
-def qf_config(budget: int, backend: str, source: str = "keys") -> KVCacheConfig:
-    return KVCacheConfig(
-        method="qfilters", qfilters_budget=budget, qfilters_n_sink=N_SINK,
-        qfilters_recent=budget // 2, qfilters_calib_tokens=CALIB,
-        qfilters_sign=SIGN if source == "keys" else 1,
-        qfilters_filter_source=source, qfilters_backend=backend,
-    )
-
-
-def velox_caches(model, budget: int) -> list:
-    from veloxquant_mlx.cache.base import KVCacheBuilder as VBuilder
-    from veloxquant_mlx.cache.base import KVCacheConfig as VConfig
-
-    cfg = VConfig(method="qfilters", qfilters_budget=budget, qfilters_n_sink=N_SINK,
-                  qfilters_recent=budget // 2, qfilters_calib_tokens=CALIB, qfilters_sign=SIGN,
-                  qfilters_on_low_retention="ignore")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return VBuilder.for_model(model, cfg)
-
-
-def build(arm: str, model, budget: int) -> tuple[list, contextlib.AbstractContextManager]:
-    """Fresh per-layer caches for ``arm`` and the context to generate in."""
-    n = len(model.layers)
-    if arm == "full":
-        return [KVCache() for _ in range(n)], contextlib.nullcontext()
-    if arm == "rotating":
-        return [RotatingKVCache(max_size=budget, keep=N_SINK) for _ in range(n)], contextlib.nullcontext()
-    if arm in ("qfilters-reference", "qfilters-cpp"):
-        caches = KVCacheBuilder.for_model(model, qf_config(budget, arm.split("-")[1]))
-        return caches, contextlib.nullcontext()
-    if arm == "qfilters-cpp-queries":
-        from qfilters_mlx import observe_queries
-
-        caches = KVCacheBuilder.for_model(model, qf_config(budget, "cpp", "queries"))
-        return caches, observe_queries(model, caches)
-    if arm == "velox-qfilters":
-        return velox_caches(model, budget), contextlib.nullcontext()
-    raise ValueError(f"unknown arm {arm!r}")
+from common import ARMS, PREFILL_STEP, make_caches  # noqa: E402
+from qfilters_mlx.model_info import model_dims  # noqa: E402
 
 
 def kv_bytes(caches: list) -> int:
@@ -134,7 +77,7 @@ def kv_bytes(caches: list) -> int:
 # ------------------------------------------------------------------------- one run
 def run_once(model, prompt: mx.array, arm: str, budget: int, max_tokens: int,
              instrument: bool = False) -> dict:
-    caches, ctx = build(arm, model, budget)
+    caches, ctx = make_caches(arm, budget, model=model)
     kv_after_chunk = []
 
     def progress(done, total):
@@ -184,34 +127,11 @@ def run_once(model, prompt: mx.array, arm: str, budget: int, max_tokens: int,
 
 
 def replay_ms_per_step(caches: list, model, steps: int = 24, warmup: int = 4) -> float:
-    """Cache-only cost of one decode step in the caches' final state.
-
-    Replays what the model asks of the caches per generated token, without the
-    model: ``caches[0].make_mask(1)``, then ``update_and_fetch`` of one random
-    row (pre-evaluated, same shape and dtype as the model's) on every layer,
-    then one ``mx.eval`` of all returned keys/values (like ``generate_step``, which
-    evaluates only what the model returns: state a cache keeps lazily is paid
-    for when a later step needs it).
-    Median over ``steps`` steps after ``warmup``.
-    """
-    a = model.args
-    hd = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    shape = (1, a.num_key_value_heads, 1, hd)
-    kv = mx.random.normal((steps + warmup, len(caches), 2) + shape, key=mx.random.key(0))
-    mx.eval(kv)
-    ts = []
-    for s in range(steps + warmup):
-        new = [(kv[s, i, 0], kv[s, i, 1]) for i in range(len(caches))]
-        mx.eval(new)
-        mx.synchronize()
-        t0 = time.perf_counter()
-        caches[0].make_mask(1, return_array=False, window_size=None)
-        outs = [c.update_and_fetch(k, v) for c, (k, v) in zip(caches, new)]
-        mx.eval(outs)
-        mx.synchronize()
-        if s >= warmup:
-            ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+    """Cache-only cost of one decode step in the caches' final state, in ms: median over
+    ``steps`` steps after ``warmup`` of :func:`common.cache_step_times` with the model's
+    K/V row shape."""
+    _, n_kv, hd = model_dims(model)
+    return 1e3 * statistics.median(common.cache_step_times(caches, steps, warmup, n_kv, hd, seed=0))
 
 
 class CacheTimer:
@@ -273,31 +193,12 @@ def plan(lengths, budgets, arms):
     return rows
 
 
-def code_version() -> dict:
-    """git HEAD and a hash of the package sources as run (the tree may be uncommitted)."""
-    import hashlib
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha1()
-    for f in sorted((root / "python" / "qfilters_mlx").glob("*.py")) + sorted((root / "csrc").glob("*.*")):
-        h.update(f.read_bytes())
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=False).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "python", "csrc"],
-                                    capture_output=True, text=True, check=False).stdout.strip())
-    except OSError:
-        head, dirty = "?", None
-    return {"git_head": head, "package_dirty": dirty, "package_sources_sha1": h.hexdigest()[:12]}
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="prompts 1k/2k, budget 256, 32 tokens, 1 repeat, no result files")
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192])
-    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[256, 512])
+    p.add_argument("--lengths", type=common.int_list, default=[1024, 2048, 4096, 8192])
+    p.add_argument("--budgets", type=common.int_list, default=[256, 512])
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--arms", type=lambda s: s.split(","), default=[a for a in ARMS if a != "qfilters-cpp-queries"])
@@ -307,7 +208,7 @@ def main(argv=None) -> None:
     p.add_argument("--instrument-tokens", type=int, default=48)
     p.add_argument("--length-order", choices=("asc", "desc"), default="asc",
                    help="run prompt lengths in this order (desc: longest first)")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                    help="combine generate.json files of separate runs (rows and ratios recomputed, "
                         "each row from its own run) into --out, without running anything")
@@ -323,34 +224,18 @@ def main(argv=None) -> None:
     if args.queries and "qfilters-cpp-queries" not in arms:
         arms.insert(arms.index("qfilters-cpp") + 1 if "qfilters-cpp" in arms else len(arms),
                     "qfilters-cpp-queries")
-    velox_note = None
-    if "velox-qfilters" in arms:
-        try:
-            import veloxquant_mlx
-            velox_note = f"veloxquant-mlx {getattr(veloxquant_mlx, '__version__', '?')}"
-        except ImportError as e:
-            arms.remove("velox-qfilters")
-            velox_note = f"not run: {e}"
-
-    path = prepare_model()
-    model, tokenizer = mlx_lm.load(str(path))
-    ids = tokenizer.encode(source_text(), add_special_tokens=False)
-    prompts = {n: mx.array(ids[PROMPT_START:PROMPT_START + n]) for n in args.lengths}
-    assert all(p.size == n for n, p in prompts.items())
+    arms, velox_note = common.available(arms)
+    model, tokenizer = common.load_model()
+    prompts = common.prompts(tokenizer, args.lengths)
 
     rows = plan(args.lengths, args.budgets, arms)
-    load0 = os.getloadavg()
     t_start = time.time()
-    meta = {
-        "model": "SmolLM2-135M-Instruct float32", "blas": BLAS, "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__, "velox": velox_note, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "code": code_version(),
-        "prompt_source": f"pydoc_data topics, tokens [{PROMPT_START}, {PROMPT_START}+N)",
-        "max_tokens": args.max_tokens, "repeats": args.repeats, "prefill_step_size": PREFILL_STEP,
-        "n_sink": N_SINK, "recent": "budget // 2", "calib_tokens": CALIB, "sign": SIGN,
-        "loadavg_start": load0,
-        "kv_budget_plus_chunk_mb": {b: kv_bound_mb(model, b) for b in args.budgets},
-    }
+    meta = common.run_meta(
+        model="SmolLM2-135M-Instruct float32", velox=velox_note, prompt_source=common.PROMPT_SOURCE,
+        max_tokens=args.max_tokens, repeats=args.repeats, prefill_step_size=PREFILL_STEP,
+        n_sink=common.N_SINK, recent="budget // 2", calib_tokens=common.CALIB, sign=common.SIGN,
+        kv_budget_plus_chunk_mb={b: kv_bound_mb(model, b) for b in args.budgets},
+    )
     # warm-up (pages in the weights, starts BLAS threads)
     run_once(model, prompts[min(args.lengths)], "full", 256, 8)
     raw, instr = [], {}
@@ -363,10 +248,7 @@ def main(argv=None) -> None:
         if final:
             print(md)
         if not args.quick:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "generate.json").write_text(
-                json.dumps({"meta": meta, "summary": summary, "raw": raw}, indent=1))
-            (args.out / "generate.md").write_text(md)
+            common.write_results(args.out / "generate.json", {"meta": meta, "summary": summary, "raw": raw}, md)
             if final:
                 plot(summary, args, args.out / "generate.png", meta)
                 print(f"wrote {args.out}/generate.json, generate.md, generate.png")
@@ -418,18 +300,15 @@ def merge(args) -> None:
         f"load {run['meta']['loadavg_start'][0]:.1f}->{run['meta']['loadavg_end'][0]:.1f}"
         for i, run in enumerate(runs)) + " (runs overlapped in time; ratios compare rows of the same run).\n"
     print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "generate.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": raw}, indent=1))
-    (args.out / "generate.md").write_text(md)
+    common.write_results(args.out / "generate.json", {"meta": meta, "summary": summary, "raw": raw}, md)
     plot(summary, args, args.out / "generate.png", meta)
     print(f"wrote {args.out}/generate.json, generate.md, generate.png")
 
 
 def kv_bound_mb(model, budget: int) -> float:
     """K+V float32 bytes of ``budget + prefill_step_size`` tokens over every layer."""
-    a = model.args
-    hd = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    return len(model.layers) * (budget + PREFILL_STEP) * a.num_key_value_heads * hd * 4 * 2 / 2**20
+    n_layers, n_kv, hd = model_dims(model)
+    return n_layers * (budget + PREFILL_STEP) * n_kv * hd * 4 * 2 / 2**20
 
 
 def summarize(raw, rows, instr) -> list[dict]:
@@ -485,18 +364,17 @@ def markdown(summary, meta, args) -> str:
          f"{meta['velox']}; {meta['max_tokens']} greedy tokens, medians over up to {meta['repeats']} interleaved "
          f"repeat(s); load average {meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end "
          f"(shared 2-core machine, other jobs running: absolute numbers are low and noisy, compare ratios)."
-         + ("" if meta.get("complete") else " PARTIAL: the run had not finished when this was written."), "",
-         "| prompt | budget | arm | reps | prompt tok/s | gen tok/s | gen tok/s (median step) | gen x full "
-         "| gen x rotating | prompt x full | peak MB | KV after chunk MB | cache ms/step | cache share |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in summary:
-        L.append(
-            f"| {s['length']} | {s['budget'] or '-'} | {s['arm']} | {s['repeats']} | {s['prompt_tps']:.0f} | "
-            f"{s['generation_tps']:.2f} | {s['generation_tps_median_step']:.2f} | "
-            f"{fmt(s.get('gen_paired_vs_full'), '.2f')} | {fmt(s.get('gen_paired_vs_rotating'), '.2f')} | "
-            f"{fmt(s.get('prompt_paired_vs_full'), '.2f')} | "
-            f"{s['peak_memory_mb']:.0f} | {s['kv_after_chunk_max_mb']:.1f} | "
-            f"{s['cache_ms_per_step']:.2f} | {s['cache_share']:.0%} |")
+         + ("" if meta.get("complete") else " PARTIAL: the run had not finished when this was written."), ""]
+    L += common.md_table(
+        ["prompt", "budget", "arm", "reps", "prompt tok/s", "gen tok/s", "gen tok/s (median step)", "gen x full",
+         "gen x rotating", "prompt x full", "peak MB", "KV after chunk MB", "cache ms/step", "cache share"],
+        [[s["length"], s["budget"] or "-", s["arm"], s["repeats"], f"{s['prompt_tps']:.0f}",
+          f"{s['generation_tps']:.2f}", f"{s['generation_tps_median_step']:.2f}",
+          fmt(s.get("gen_paired_vs_full"), ".2f"), fmt(s.get("gen_paired_vs_rotating"), ".2f"),
+          fmt(s.get("prompt_paired_vs_full"), ".2f"), f"{s['peak_memory_mb']:.0f}",
+          f"{s['kv_after_chunk_max_mb']:.1f}", f"{s['cache_ms_per_step']:.2f}", f"{s['cache_share']:.0%}"]
+         for s in summary],
+        "rrlrrrrrrrrrrr")
     L += ["", "gen tok/s: (tokens - 1) / decode time, as mlx-lm reports it; gen tok/s (median step): 1 / median "
           "time between generated tokens (robust to load spikes). x full / x rotating: paired ratios, the "
           "ratio of two arms measured in the same repeat (back to back), median over repeats (gen: of the "

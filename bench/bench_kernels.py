@@ -26,20 +26,20 @@ writes ``bench/results/kernels.json``. Every timed call ends in ``mx.eval``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import statistics
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
+import common  # noqa: I001  (first: fast BLAS before MLX; same folder)
 
-import mlx.core as mx
-import numpy as np
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
-from qfilters_mlx.backends import reference
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import time_call  # noqa: E402
+from qfilters_mlx.backends import reference  # noqa: E402
 
 try:
     from qfilters_mlx import _ext
@@ -70,7 +70,7 @@ DTYPE = mx.float16
 N_SINK = 4
 SIGN = 1
 OPS = ("score", "select", "evict")
-RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
+RESULTS = common.RESULTS / "kernels.json"
 
 
 @dataclass(frozen=True)
@@ -127,16 +127,8 @@ class Inputs:
                 *self.copy_src.values())
 
 
-def _ref_select(x: Inputs):
-    c = x.cfg
-    kept = reference.select_keep(x.scores, c.budget, N_SINK, c.recent)
-    return (kept, *reference.compact(x.keys, x.values, kept))
-
-
-def _ref_evict(x: Inputs):
-    c = x.cfg
-    s = reference.projection_scores(x.keys, x.filters, SIGN)
-    kept = reference.select_keep(s, c.budget, N_SINK, c.recent)
+def _ref_select(x: Inputs, scores: mx.array):
+    kept = reference.select_keep(scores, x.cfg.budget, N_SINK, x.cfg.recent)
     return (kept, *reference.compact(x.keys, x.values, kept))
 
 
@@ -151,8 +143,8 @@ def arms(x: Inputs) -> dict[tuple[str, str], Callable[[], object]]:
     c = x.cfg
     out: dict[tuple[str, str], Callable[[], object]] = {
         ("score", "reference"): lambda: reference.projection_scores(x.keys, x.filters, SIGN),
-        ("select", "reference"): lambda: _ref_select(x),
-        ("evict", "reference"): lambda: _ref_evict(x),
+        ("select", "reference"): lambda: _ref_select(x, x.scores),
+        ("evict", "reference"): lambda: _ref_select(x, reference.projection_scores(x.keys, x.filters, SIGN)),
     }
     if _ext is not None:
         out[("score", "cpp")] = lambda: _ext.projection_scores(x.keys, x.filters, SIGN)
@@ -176,20 +168,6 @@ def arms(x: Inputs) -> dict[tuple[str, str], Callable[[], object]]:
     for op in OPS:
         out[(op, "copy")] = lambda op=op: mx.array(x.copy_src[op])
     return out
-
-
-def time_call(fn: Callable[[], object], min_time: float = 0.25, min_iters: int = 5,
-              max_iters: int = 200, warmup: int = 3) -> dict[str, float]:
-    """Warm up, then time ``mx.eval(fn())`` repeatedly; seconds per call."""
-    for _ in range(warmup):
-        mx.eval(fn())
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_iters or (time.perf_counter() - start < min_time and len(times) < max_iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return {"min_s": min(times), "median_s": statistics.median(times), "iters": len(times)}
 
 
 def run(configs: list[Config] = CONFIGS) -> dict:
@@ -227,16 +205,10 @@ def run(configs: list[Config] = CONFIGS) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [
-        "| H | D | T | op | arm | time (ms) | GB/s | x faster than ref | time / copy |",
-        "|---|---|---|---|---|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['H']} | {r['D']} | {r['T']} | {r['op']} | {r['arm']} | {r['min_s'] * 1e3:.3f} "
-            f"| {r['gb_per_s']:.2f} | {r['speedup_vs_reference']:.1f} | {r['time_vs_copy']:.2f} |"
-        )
-    return "\n".join(lines)
+    rows = [[r["H"], r["D"], r["T"], r["op"], r["arm"], f"{r['min_s'] * 1e3:.3f}", f"{r['gb_per_s']:.2f}",
+             f"{r['speedup_vs_reference']:.1f}", f"{r['time_vs_copy']:.2f}"] for r in result["rows"]]
+    return "\n".join(common.md_table(
+        ["H", "D", "T", "op", "arm", "time (ms)", "GB/s", "x faster than ref", "time / copy"], rows, "lllllrrrr"))
 
 
 # --------------------------------------------------------------------------
@@ -289,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [Config(8, 128, 4096)] if args.quick else CONFIGS
     result = run(configs)
     print(format_table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    common.write_results(args.out, result)
     print(f"\nwrote {args.out}")
     return 0
 

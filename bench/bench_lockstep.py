@@ -30,23 +30,18 @@ Writes ``bench/results/lockstep.{json,md}``.
 
 from __future__ import annotations
 
-from bench_generate import ARMS, PREFILL_STEP, PROMPT_START, build, code_version  # noqa: I001  (same folder)
+import common  # noqa: I001  (first: fast BLAS before MLX; same folder)
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
 
-from qfilters_mlx.assets.prepare_model import prepare_model  # noqa: E402
-from qfilters_mlx.assets.prompts import source_text  # noqa: E402
+from common import ARMS, PREFILL_STEP, make_caches  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ARMS = ("full", "rotating", "qfilters-cpp", "velox-qfilters")
 
 
@@ -55,7 +50,7 @@ def prefill_lockstep(model, prompt: mx.array, arms: list) -> tuple[dict, dict]:
     taking turns chunk by chunk (order rotating); after each chunk the caches' state is
     evaluated, as mlx-lm's prefill does. Returns ``{arm: (caches, first token)}`` and
     ``{arm: [seconds per chunk]}``."""
-    built = {a: build(a[0], model, a[1] or 0) for a in arms}
+    built = {a: make_caches(a[0], a[1] or 0, model=model) for a in arms}
     state, times = {}, {a: [] for a in arms}
     starts = list(range(0, prompt.size, PREFILL_STEP))
     for i, s0 in enumerate(starts):
@@ -121,16 +116,15 @@ def summarize(n: int, prefill_times: dict, times: dict) -> list[dict]:
 def markdown(rows: list[dict], meta: dict) -> str:
     L = [f"SmolLM2-135M-Instruct float32 on {meta['machine']}, mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}; "
          f"{meta['steps']} lockstep decode rounds after {meta['warmup']} warm-up rounds; load average "
-         f"{meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end.", "",
-         "| prompt | budget | arm | prompt tok/s | prompt x full | prompt x rotating | step ms (median) "
-         "| gen tok/s | gen x rotating (paired) | gen x full (paired) | prompt / gen x velox |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         f"{meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end.", ""]
     f = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
-    for r in rows:
-        L.append(f"| {r['length']} | {r['budget'] or '-'} | {r['arm']} | {r['prompt_tps']:.1f} | "
-                 f"{f(r.get('prompt_vs_full'))} | {f(r.get('prompt_vs_rotating'))} | {r['step_ms']:.1f} | "
-                 f"{r['tps']:.2f} | {f(r.get('tps_vs_rotating'))} | {f(r.get('tps_vs_full'))} | "
-                 f"{f(r.get('prompt_vs_velox'))} / {f(r.get('tps_vs_velox'))} |")
+    L += common.md_table(
+        ["prompt", "budget", "arm", "prompt tok/s", "prompt x full", "prompt x rotating", "step ms (median)",
+         "gen tok/s", "gen x rotating (paired)", "gen x full (paired)", "prompt / gen x velox"],
+        [[r["length"], r["budget"] or "-", r["arm"], f"{r['prompt_tps']:.1f}", f(r.get("prompt_vs_full")),
+          f(r.get("prompt_vs_rotating")), f"{r['step_ms']:.1f}", f"{r['tps']:.2f}", f(r.get("tps_vs_rotating")),
+          f(r.get("tps_vs_full")), f"{f(r.get('prompt_vs_velox'))} / {f(r.get('tps_vs_velox'))}"] for r in rows],
+        "rrlrrrrrrrr")
     L += ["", "gen x ...: per round, (1 / this arm's step time) / (1 / the reference arm's step time in the "
           "same round), median over rounds. prompt x ...: ratio of total prefill times, the arms' chunks "
           f"({PREFILL_STEP} tokens) having run in turns."]
@@ -139,32 +133,24 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 8192])
-    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[256, 512])
+    p.add_argument("--lengths", type=common.int_list, default=[1024, 4096, 8192])
+    p.add_argument("--budgets", type=common.int_list, default=[256, 512])
     p.add_argument("--arms", type=lambda s: s.split(","), default=list(DEFAULT_ARMS))
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         p.error(f"unknown arms {unknown}; choose from {ARMS}")
-    if "velox-qfilters" in args.arms:
-        try:
-            import veloxquant_mlx  # noqa: F401
-        except ImportError:
-            args.arms.remove("velox-qfilters")
-
-    model, tokenizer = mlx_lm.load(str(prepare_model()))
-    ids = tokenizer.encode(source_text(), add_special_tokens=False)
-    meta = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "mlx": mx.__version__,
-            "mlx_lm": mlx_lm.__version__, "code": code_version(), "steps": args.steps,
-            "warmup": args.warmup, "arms": args.arms, "loadavg_start": os.getloadavg(),
-            "prompt_source": f"pydoc_data topics, tokens [{PROMPT_START}, {PROMPT_START}+N)"}
+    args.arms, velox_note = common.available(args.arms)
+    model, tokenizer = common.load_model()
+    prompts = common.prompts(tokenizer, args.lengths)
+    meta = common.run_meta(steps=args.steps, warmup=args.warmup, arms=args.arms, velox=velox_note,
+                           prompt_source=common.PROMPT_SOURCE)
     rows = []
-    for n in args.lengths:
-        prompt = mx.array(ids[PROMPT_START:PROMPT_START + n])
+    for n, prompt in prompts.items():
         # one lockstep group per prompt: the full cache once, every other arm at every budget
         arms = [(a, None) for a in args.arms if a == "full"]
         arms += [(a, b) for b in args.budgets for a in args.arms if a != "full"]
@@ -177,9 +163,7 @@ def main(argv=None) -> None:
                   f"x full {r.get('tps_vs_full', float('nan')):.3f}", flush=True)
         meta["loadavg_end"] = os.getloadavg()
         if not args.no_write:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "lockstep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-            (args.out / "lockstep.md").write_text(markdown(rows, meta))
+            common.write_results(args.out / "lockstep.json", {"meta": meta, "rows": rows}, markdown(rows, meta))
     print(markdown(rows, meta))
 
 

@@ -37,20 +37,12 @@ Run: ``python bench/benchmark_qfilters.py`` (about a minute on 2 cores); writes
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
-
-from qfilters_mlx.blas import enable_fast_blas  # noqa: E402
-
-enable_fast_blas()
-
+import common  # noqa: E402,I001  (first: fast BLAS before MLX; same folder)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -142,14 +134,11 @@ def kept_bytes(arm: str, budget: int, H: int = HEADS, D: int = HEAD_DIM) -> int:
 
 
 def time_eviction(arm: str, keys, obs, calib, budget: int, seed: int, reps: int = 5) -> float:
-    """Median seconds to score ``T`` tokens and select ``budget`` of them (all heads)."""
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        s, _ = arm_scores(arm, keys, obs, calib, seed)
-        mx.eval(select(arm, s, budget))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    """Median seconds to score ``T`` tokens and select ``budget`` of them (all heads), over ``reps`` calls."""
+    def evict():
+        return select(arm, arm_scores(arm, keys, obs, calib, seed)[0], budget)
+
+    return common.time_call(evict, min_time=0.0, min_iters=reps, warmup=0)["median_s"]
 
 
 def run(lengths=LENGTHS, budgets=BUDGETS, seeds=SEEDS, regimes=REGIMES) -> dict:
@@ -249,15 +238,14 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(HERE / "results" / "synthetic.json"))
+    ap.add_argument("--out", default=str(common.RESULTS / "synthetic.json"))
     ap.add_argument("--quick", action="store_true", help="one length, one seed (smoke run)")
     args = ap.parse_args(argv)
     t = time.perf_counter()
     res = run(lengths=(256,), seeds=(0,)) if args.quick else run()
     res["seconds"] = time.perf_counter() - t
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    common.write_results(out, res)
     plot(res, out.with_suffix(".png"))
     print(table(res))
     print(f"\n{res['note']}\nwrote {out} and {out.with_suffix('.png')} in {res['seconds']:.1f} s")

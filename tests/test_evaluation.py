@@ -16,16 +16,15 @@ from scipy.stats import spearmanr
 
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.evaluation.arms import Arm, default_arms, expand, retrieval_arms
-from qfilters_mlx.evaluation.run import (
-    MultiArmCache,
-    batched_greedy,
+from qfilters_mlx.evaluation.multi_arm import MultiArmCache
+from qfilters_mlx.evaluation.perplexity import (
     batched_streaming_nll,
     full_cache_nll,
     perplexity,
-    received_attention,
-    score_quality,
     streaming_nll,
 )
+from qfilters_mlx.evaluation.retrieval import batched_greedy
+from qfilters_mlx.evaluation.score_quality import received_attention, score_quality
 
 
 def tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64, vocab=97):
@@ -191,7 +190,7 @@ def test_score_quality_against_scipy_on_planted_geometry():
 
 
 def test_retrieval_prompt_places_the_needle():
-    from qfilters_mlx.evaluation.run import NEEDLE, QUESTION, retrieval_prompt
+    from qfilters_mlx.evaluation.retrieval import NEEDLE, QUESTION, retrieval_prompt
 
     class Tok:  # whitespace tokenizer with a trivial chat template
         vocab: dict = {}

@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from qfilters_mlx.assets import prepare_model as pm  # noqa: E402
+from qfilters_mlx.assets.gguf import unpermute_rows  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,7 @@ def test_unpermute_inverts_llama_cpp_permute():
     permuted = (
         w.reshape(n_heads, 2, head_dim // 2, d_in).swapaxes(1, 2).reshape(w.shape)
     )
-    np.testing.assert_array_equal(pm.unpermute_rows(permuted, n_heads), w)
+    np.testing.assert_array_equal(unpermute_rows(permuted, n_heads), w)
 
 
 def test_folder_is_complete_and_clean(model_dir):

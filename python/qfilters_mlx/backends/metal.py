@@ -229,56 +229,37 @@ class JitKernels:
             for size in _STORAGE
         }
 
+    def _launch(self, kernel, inputs: list, shape: tuple, dtype, launch: tuple[int, int]) -> mx.array:
+        """Run ``kernel`` on the GPU with a 1-D ``launch = (grid threads, threadgroup size)``;
+        its one output has ``shape`` and ``dtype``."""
+        grid, tg = launch
+        (out,) = kernel(inputs=inputs, output_shapes=[shape], output_dtypes=[dtype], grid=(grid, 1, 1),
+                        threadgroup=(tg, 1, 1), init_value=self._poison, stream=mx.gpu)
+        return out
+
     def projection_scores(self, keys: mx.array, filters: mx.array, sign: int = 1) -> mx.array:
         _check_score_args(keys, filters, sign)
         B, H, T, _ = keys.shape
         if B * H * T == 0:
             return mx.zeros((B, H, T), mx.float32)
-        grid, tg = score_launch(B, H, T)
         storage = _STORAGE[keys.dtype.size]
-        (out,) = self._score[keys.dtype](
-            inputs=[keys.view(storage), filters.astype(mx.float32),
-                    mx.array([sign], dtype=mx.int32)],
-            output_shapes=[(B, H, T)],
-            output_dtypes=[mx.float32],
-            grid=(grid, 1, 1),
-            threadgroup=(tg, 1, 1),
-            init_value=self._poison,
-            stream=mx.gpu,
-        )
-        return out
+        inputs = [keys.view(storage), filters.astype(mx.float32), mx.array([sign], dtype=mx.int32)]
+        return self._launch(self._score[keys.dtype], inputs, (B, H, T), mx.float32, score_launch(B, H, T))
 
     def select(self, scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
         """Kept positions ``[B, H, min(budget, T)]`` int32, ascending."""
         B, H, T = scores.shape
         K = min(budget, T)
-        grid, tg = select_launch(B, H, T)
-        (kept,) = self._select(
-            inputs=[scores.astype(mx.float32), mx.array([budget, n_sink, recent], dtype=mx.int32)],
-            output_shapes=[(B, H, K)],
-            output_dtypes=[mx.int32],
-            grid=(grid, 1, 1),
-            threadgroup=(tg, 1, 1),
-            init_value=self._poison,
-            stream=mx.gpu,
-        )
-        return kept
+        inputs = [scores.astype(mx.float32), mx.array([budget, n_sink, recent], dtype=mx.int32)]
+        return self._launch(self._select, inputs, (B, H, K), mx.int32, select_launch(B, H, T))
 
     def gather(self, x: mx.array, kept: mx.array) -> mx.array:
         """``x[b, h, kept[b, h, k], :]`` bit-exact, ``[B, H, K, D]``."""
         B, H, _, D = x.shape
         K = kept.shape[2]
         storage = _STORAGE[x.dtype.size]
-        grid, tg = gather_launch(B, H, K, D)
-        (out,) = self._gather[x.dtype.size](
-            inputs=[x.view(storage), kept],
-            output_shapes=[(B, H, K, D)],
-            output_dtypes=[storage],
-            grid=(grid, 1, 1),
-            threadgroup=(tg, 1, 1),
-            init_value=self._poison,
-            stream=mx.gpu,
-        )
+        out = self._launch(self._gather[x.dtype.size], [x.view(storage), kept], (B, H, K, D), storage,
+                           gather_launch(B, H, K, D))
         return out.view(x.dtype)
 
     def select_compact(self, scores, keys, values, budget, n_sink=0, recent=0):

@@ -104,7 +104,8 @@ def run(parser, args) -> int:
 
     from qfilters_mlx.filters.capture import capture_attention
     from qfilters_mlx.evaluation.arms import default_arms, query_arms
-    from qfilters_mlx.evaluation.run import EvalSettings, check_quick, run_evaluation, streaming_nll
+    from qfilters_mlx.evaluation.perplexity import streaming_nll
+    from qfilters_mlx.evaluation.run import EvalSettings, check_quick, run_evaluation
     from qfilters_mlx.assets.prompts import source_text
 
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())

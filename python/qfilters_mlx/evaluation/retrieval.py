@@ -1,0 +1,96 @@
+"""Pass-key retrieval: a key hidden at a depth of a long context, a question, a greedy answer.
+
+:func:`retrieval_prompt` builds the chat-template prompt (instruction, about
+``context_tokens`` tokens of prose in whole paragraphs, the needle at a
+paragraph boundary, the question); :func:`batched_greedy` answers it with many
+arms at once (one batch row each, chunked prefill as in mlx-lm). The instruction
+and the question are those of the shipped prompt (:mod:`qfilters_mlx.assets.prompts`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from qfilters_mlx.assets.prompts import INSTRUCTION, QUESTION
+from qfilters_mlx.evaluation.multi_arm import batch_caches
+from qfilters_mlx.filters.observe import observe_queries
+
+__all__ = ["NEEDLE", "batched_greedy", "pass_key", "retrieval_prompt"]
+
+NEEDLE = "The secret pass key is {key}. Remember it."
+
+
+def pass_key(seed: int, context: int, depth: float) -> str:
+    """A 5-digit pass key, a pure function of ``(seed, context, depth)``."""
+    return str(random.Random(f"{seed}-{context}-{depth}").randint(10000, 99999))
+
+
+def retrieval_prompt(tokenizer, text: str, context_tokens: int, depth: float, key: str) -> list[int]:
+    """Chat-template tokens of: instruction, about ``context_tokens`` tokens of
+    ``text`` (whole paragraphs), the needle at relative ``depth`` (a paragraph
+    boundary), the question.
+
+    Args:
+        tokenizer: an mlx-lm ``TokenizerWrapper`` with a chat template.
+        text: source prose, paragraphs separated by blank lines.
+        context_tokens: target length of the context part in tokens.
+        depth: needle position as a fraction of the context, in ``[0, 1]``.
+        key: the pass key.
+
+    Raises:
+        ValueError: ``depth`` outside ``[0, 1]`` or ``text`` too short.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    picked, n = [], 0
+    for p in paragraphs:
+        if n >= context_tokens:
+            break
+        picked.append(p)
+        n += len(tokenizer.encode(p, add_special_tokens=False)) + 1
+    if n < context_tokens:
+        raise ValueError(f"text too short for {context_tokens} context tokens")
+    counts = np.cumsum([len(tokenizer.encode(p, add_special_tokens=False)) + 1 for p in picked])
+    cut = int(np.searchsorted(counts, depth * n)) + (0 if depth == 0 else 1)
+    cut = min(cut, len(picked))
+    body = picked[:cut] + [NEEDLE.format(key=key)] + picked[cut:]
+    message = "\n\n".join([INSTRUCTION, *body, f"Question: {QUESTION}"])
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(chat, add_special_tokens=False)
+
+
+def batched_greedy(model, prompt: list[int], rows: list[list], max_tokens: int, chunk: int,
+                   on_call: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Greedy answers of every row to the same prompt.
+
+    The prompt is fed in calls of ``chunk`` tokens (each row's cache evicts
+    after every call, as in chunked prefill), then each row decodes its own
+    greedy tokens.
+
+    Returns:
+        Per row, ``max_tokens`` token ids.
+    """
+    B = len(rows)
+    caches = batch_caches(rows)
+    toks = mx.broadcast_to(mx.array(prompt)[None], (B, len(prompt)))
+    logits = None
+    out = []
+    with observe_queries(model, caches):  # for query-based filters
+        for s in range(0, len(prompt), chunk):
+            logits = model(toks[:, s : s + chunk], cache=caches)[:, -1]
+            mx.eval(logits)
+            if on_call is not None:
+                on_call(1)
+        for i in range(max_tokens):
+            nxt = mx.argmax(logits, axis=-1)
+            out.append(nxt)
+            if i + 1 < max_tokens:
+                logits = model(nxt[:, None], cache=caches)[:, -1]
+                mx.eval(logits)
+    return mx.stack(out, axis=1).tolist()
