@@ -1,0 +1,320 @@
+"""Pair every cache update with the post-RoPE queries of the same attention call.
+
+mlx-lm models have no hook for queries, so :class:`AttentionHooks` patches, for
+the duration of a ``with`` block (process-global, serialised by a lock,
+restored on exit also after an error), the places every attention path passes
+through:
+
+1. ``update_and_fetch`` of the watched caches' classes: marks the start of a
+   layer's attention call (the layer is the cache's index in the watched list;
+   its argument are the post-RoPE keys, its result the keys attention uses);
+2. the ``scaled_dot_product_attention`` name in every loaded ``mlx_lm.models.*``
+   module and in every module defining a class of the model's submodules (each
+   module imported the name from ``mlx_lm.models.base``, so patching ``base``
+   alone changes nothing), and ``mx.fast.scaled_dot_product_attention`` (models
+   that call it directly, e.g. plamo2): the queries attention actually uses,
+   matched to the pending update by its cache argument or by the identity of
+   the keys the cache returned;
+3. ``mx.fast.rope`` (used by ``nn.RoPE`` and mlx-lm's ``rope_utils``): for
+   models whose attention is written inline without SDPA (gemma2's soft-capped
+   attention, olmo, ...). When the keys passed to ``update_and_fetch`` are the
+   very array an ``mx.fast.rope`` call returned, the most recent earlier rope
+   output of the same layer with the same offset and a compatible shape
+   ``[B, H_q, L, D]`` (``H_q`` a multiple of ``H_kv``) is the layer's queries;
+4. the model class's ``__call__``: the end of a forward pass.
+
+Each update is delivered at most once: by an SDPA call as soon as it happens
+(exactly what attention uses), else with the rope-derived queries when the
+next watched update starts, the model call returns, or the block ends. An
+update that got neither is reported as missing. Other caches, threads' other
+models and updates without queries are passed through untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import threading
+from typing import Any, Callable
+
+import mlx.core as mx
+
+SDPA = "scaled_dot_product_attention"
+_lock = threading.Lock()
+_owner: list[int] = []  # thread id holding _lock (nested use in one thread is refused)
+
+
+@dataclasses.dataclass
+class Update:
+    """One watched ``update_and_fetch`` call awaiting its queries.
+
+    Attributes:
+        layer: index of the cache's top-level entry in the watched list.
+        path: ``(layer,)`` or ``(layer, j)`` for entry ``j`` of a ``CacheList``.
+        cache: the cache object.
+        keys_in: ``[B, H_kv, L, D]`` keys passed in (post-RoPE).
+        keys_out: keys the cache returned (``[B, H_kv, S, D]``), or ``None``.
+        rope_queries: queries found through ``mx.fast.rope``, or ``None``.
+        where: ``module.qualname`` of the function that called ``update_and_fetch``.
+    """
+
+    layer: int
+    path: tuple
+    cache: Any
+    keys_in: Any
+    keys_out: Any
+    rope_queries: Any
+    where: str
+    delivered: bool = False
+
+
+def cache_leaves(caches) -> list[tuple[tuple, Any]]:
+    """``(path, cache)`` for every cache in ``caches``; entries of mlx-lm ``CacheList``s
+    are listed with path ``(i, j)``, everything else (our caches, wrappers) with ``(i,)``."""
+    from mlx_lm.models.cache import CacheList
+
+    out = []
+    for i, c in enumerate(caches or []):
+        if isinstance(c, CacheList):
+            out.extend(((i, j), s) for j, s in enumerate(c.caches))
+        else:
+            out.append(((i,), c))
+    return out
+
+
+def _fits(queries, keys) -> bool:
+    """``queries [B, H_q, L, D]`` can be the queries of ``keys [B, H_kv, L, D]``."""
+    if not (isinstance(queries, mx.array) and isinstance(keys, mx.array)):
+        return False
+    if queries.ndim != 4 or keys.ndim != 4 or queries is keys:
+        return False
+    (b, hq, n, d), (kb, hk, kn, kd) = queries.shape, keys.shape
+    return b == kb and n == kn and d == kd and hk > 0 and hq % hk == 0
+
+
+def _same_offset(a, b) -> bool:
+    if a is b:
+        return True
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+class _ThreadState:
+    def __init__(self):
+        self.pending: Update | None = None
+        self.window = collections.deque(maxlen=16)  # (rope output, offset) since the last update
+        self.sdpa_depth = 0
+
+
+class AttentionHooks:
+    """Context manager installing the hooks (see module docstring).
+
+    Args:
+        model: the mlx-lm model (its class's ``__call__`` and the modules of its
+            submodules' classes are patched).
+
+    Use :meth:`watch` to choose the caches and the callbacks; it can be called
+    again inside the block (e.g. a probe with throwaway caches first).
+
+    Raises:
+        RuntimeError: entered while this thread already holds the hooks (nested use).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._index: dict[int, tuple[tuple, Any]] = {}
+        self._deliver: Callable | None = None
+        self._missing: Callable | None = None
+        self._unpaired: Callable | None = None
+        self._patches: list[tuple[Any, str, bool, Any]] = []
+        self._local = threading.local()
+        self._states: list[_ThreadState] = []
+        self._states_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "AttentionHooks":
+        if _owner and _owner[0] == threading.get_ident():
+            raise RuntimeError("observe_queries / capture_attention is already active in this thread: "
+                               "nested use is not supported (close the outer block first)")
+        _lock.acquire()
+        _owner.append(threading.get_ident())
+        try:
+            self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.flush()
+        finally:
+            self._uninstall()
+
+    def _uninstall(self) -> None:
+        try:
+            for owner, name, had, old in reversed(self._patches):
+                if had:
+                    setattr(owner, name, old)
+                else:
+                    delattr(owner, name)
+            self._patches.clear()
+            self._index.clear()
+            self._states.clear()
+        finally:
+            _owner.clear()
+            _lock.release()
+
+    def _patch(self, owner, name: str, make: Callable[[Callable], Callable]) -> None:
+        had = name in vars(owner)
+        old = vars(owner).get(name)
+        original = getattr(owner, name)
+        self._patches.append((owner, name, had, old))
+        setattr(owner, name, make(original))
+
+    def _install(self) -> None:
+        mods = {n for n in sys.modules if n.startswith("mlx_lm.models.")}
+        mods.update(type(m).__module__ for _, m in self.model.named_modules())
+        for name in sorted(mods):
+            mod = sys.modules.get(name)
+            if mod is not None and callable(vars(mod).get(SDPA)):
+                self._patch(mod, SDPA, self._sdpa_wrapper)
+        self._patch(mx.fast, SDPA, self._sdpa_wrapper)
+        self._patch(mx.fast, "rope", self._rope_wrapper)
+        self._patch(type(self.model), "__call__", self._model_wrapper)
+
+    # ---------------------------------------------------------------- watching
+    def watch(self, caches, deliver: Callable | None = None, missing: Callable | None = None,
+              unpaired: Callable | None = None) -> None:
+        """Watch ``caches`` (flushes what was pending for the previous ones).
+
+        Args:
+            caches: per-layer cache list the model is called with (``CacheList``
+                entries are watched individually).
+            deliver: ``deliver(update: Update, queries [B, H_q, L, D])``, once per update.
+            missing: ``missing(update)`` for an update that got no queries.
+            unpaired: ``unpaired(queries, keys)`` for SDPA calls that match no
+                update (only the outermost of nested SDPA calls).
+        """
+        self.flush()
+        self._index = {id(c): (p, c) for p, c in cache_leaves(caches)}
+        self._deliver, self._missing, self._unpaired = deliver, missing, unpaired
+        patched = {(o, n) for o, n, _, _ in self._patches}
+        for _, c in self._index.values():
+            owner = next((k for k in type(c).__mro__ if "update_and_fetch" in vars(k)), None)
+            if owner is not None and (owner, "update_and_fetch") not in patched:
+                self._patch(owner, "update_and_fetch", self._update_wrapper)
+                patched.add((owner, "update_and_fetch"))
+
+    def flush(self) -> None:
+        """Deliver or report every pending update (all threads)."""
+        with self._states_lock:
+            states = list(self._states)
+        for st in states:
+            self._flush(st)
+
+    def _state(self) -> _ThreadState:
+        st = getattr(self._local, "st", None)
+        if st is None:
+            st = self._local.st = _ThreadState()
+            with self._states_lock:
+                self._states.append(st)
+        return st
+
+    def _flush(self, st: _ThreadState) -> None:
+        u, st.pending = st.pending, None
+        if u is None or u.delivered:
+            return
+        if u.rope_queries is not None:
+            self._send(u, u.rope_queries)
+        elif self._missing is not None:
+            self._missing(u)
+
+    def _send(self, u: Update, queries) -> None:
+        u.delivered = True
+        if self._deliver is not None:
+            self._deliver(u, queries)
+
+    # ---------------------------------------------------------------- wrappers
+    def _update_wrapper(self, original):
+        hooks = self
+
+        def update_and_fetch(cache, *args, **kwargs):
+            entry = hooks._index.get(id(cache))
+            if entry is None or entry[1] is not cache:
+                return original(cache, *args, **kwargs)
+            st = hooks._state()
+            hooks._flush(st)  # the previous layer's attention is done
+            keys = args[0] if args else kwargs.get("keys")
+            window = list(st.window)
+            st.window.clear()
+            caller = sys._getframe(1)
+            where = f"{caller.f_globals.get('__name__', '?')}.{caller.f_code.co_qualname}"
+            out = original(cache, *args, **kwargs)
+            keys_out = out[0] if isinstance(out, (tuple, list)) and out else None
+            path = entry[0]
+            st.pending = Update(path[0], path, cache, keys, keys_out, _rope_queries(window, keys), where)
+            return out
+
+        return update_and_fetch
+
+    def _sdpa_wrapper(self, original):
+        hooks = self
+
+        def scaled_dot_product_attention(*args, **kwargs):
+            queries = args[0] if args else kwargs.get("queries", kwargs.get("q"))
+            keys = args[1] if len(args) > 1 else kwargs.get("keys", kwargs.get("k"))
+            cache = args[3] if len(args) > 3 else kwargs.get("cache")
+            st = hooks._state()
+            u = st.pending
+            if u is not None and not u.delivered and (
+                    (cache is not None and cache is u.cache) or (keys is not None and keys is u.keys_out)):
+                if _fits(queries, u.keys_in):
+                    hooks._send(u, queries)
+            elif st.sdpa_depth == 0 and hooks._unpaired is not None:
+                hooks._unpaired(queries, keys)
+            st.sdpa_depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                st.sdpa_depth -= 1
+
+        return scaled_dot_product_attention
+
+    def _rope_wrapper(self, original):
+        hooks = self
+
+        def rope(*args, **kwargs):
+            out = original(*args, **kwargs)
+            hooks._state().window.append((out, kwargs.get("offset", 0)))
+            return out
+
+        return rope
+
+    def _model_wrapper(self, original):
+        hooks = self
+
+        def __call__(model, *args, **kwargs):
+            try:
+                out = original(model, *args, **kwargs)
+            except BaseException:
+                hooks._state().pending = None  # the forward failed: nothing to report
+                raise
+            hooks._flush(hooks._state())
+            return out
+
+        return __call__
+
+
+def _rope_queries(window: list, keys):
+    """Queries of the update whose keys are ``keys``, found among this layer's
+    ``mx.fast.rope`` outputs (see module docstring), or ``None``."""
+    for j in range(len(window) - 1, -1, -1):
+        if window[j][0] is keys:
+            offset = window[j][1]
+            for out, off in reversed(window[:j]):
+                if _same_offset(off, offset) and _fits(out, keys):
+                    return out
+            return None
+    return None
