@@ -139,6 +139,30 @@ def test_path_missed_by_the_probe_raises_by_the_end_of_the_forward():
     assert [c.offset for c in caches] == [7, 7]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_update_wrapped_on_the_instance_before_entry(arch):
+    """A cache whose update_and_fetch was wrapped as an instance attribute (taken before
+    the hooks exist) bypasses the update hook: SDPA models still deliver through the
+    cache argument; inline attention cannot be paired and the cache refuses to go on."""
+    model, _ = build(arch)
+    caches = our_caches(model, cfg("queries", 1))
+    calls = []
+    for c in caches:
+        inner = c.update_and_fetch
+        c.update_and_fetch = lambda k, v, _f=inner: calls.append(k.shape[2]) or _f(k, v)
+    with observe_queries(model, caches):
+        if arch == "llama":
+            for s in range(0, T, 17):
+                model(tokens()[:, s:s + 17], cache=caches)
+            assert [c.size() for c in caches] == [BUDGET, BUDGET] and len(calls) == 8
+        else:
+            with pytest.raises(QueriesNotCaptured, match="layer 0"):  # at the end of the forward
+                model(tokens(), cache=caches)
+            with pytest.raises(ValueError, match="layer 0: the queries of the previous update"):
+                model(tokens()[:, :1], cache=caches)  # and the cache refuses to go on
+            assert caches[0].offset == T
+
+
 def test_cache_refuses_an_update_whose_previous_queries_never_came():
     c = QFiltersKVCache(cfg("queries", 1), layer_idx=5)
     c.queries_observed = True

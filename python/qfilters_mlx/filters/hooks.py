@@ -26,7 +26,10 @@ through:
 Each update is delivered at most once: by an SDPA call as soon as it happens
 (exactly what attention uses), else with the rope-derived queries when the
 next watched update starts, the model call returns, or the block ends. An
-update that got neither is reported as missing. Other caches, threads' other
+update that got neither is reported as missing. An SDPA call naming a watched
+cache whose update bypassed the class method (an instance attribute wrapping
+``update_and_fetch``, taken before the hooks were installed) is delivered when
+the cache's offset advanced since its last delivery. Other caches, threads' other
 models and updates without queries are passed through untouched.
 """
 
@@ -56,7 +59,8 @@ class Update:
         keys_in: ``[B, H_kv, L, D]`` keys passed in (post-RoPE).
         keys_out: keys the cache returned (``[B, H_kv, S, D]``), or ``None``.
         rope_queries: queries found through ``mx.fast.rope``, or ``None``.
-        where: ``module.qualname`` of the function that called ``update_and_fetch``.
+        caller: ``(module name, code object)`` of the function that called
+            ``update_and_fetch`` (see :attr:`where`).
     """
 
     layer: int
@@ -65,8 +69,14 @@ class Update:
     keys_in: Any
     keys_out: Any
     rope_queries: Any
-    where: str
+    caller: tuple
     delivered: bool = False
+
+    @property
+    def where(self) -> str:
+        """``module.qualname`` of the function that called ``update_and_fetch``."""
+        module, code = self.caller
+        return module if code is None else f"{module}.{code.co_qualname}"
 
 
 def cache_leaves(caches) -> list[tuple[tuple, Any]]:
@@ -83,14 +93,15 @@ def cache_leaves(caches) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _fits(queries, keys) -> bool:
-    """``queries [B, H_q, L, D]`` can be the queries of ``keys [B, H_kv, L, D]``."""
+def _fits(queries, keys, same_length: bool = True) -> bool:
+    """``queries [B, H_q, L, D]`` can be the queries of ``keys [B, H_kv, L, D]``
+    (``same_length=False``: of keys ``[B, H_kv, S, D]`` of any length)."""
     if not (isinstance(queries, mx.array) and isinstance(keys, mx.array)):
         return False
     if queries.ndim != 4 or keys.ndim != 4 or queries is keys:
         return False
     (b, hq, n, d), (kb, hk, kn, kd) = queries.shape, keys.shape
-    return b == kb and n == kn and d == kd and hk > 0 and hq % hk == 0
+    return b == kb and (n == kn or not same_length) and d == kd and hk > 0 and hq % hk == 0
 
 
 def _same_offset(a, b) -> bool:
@@ -102,7 +113,7 @@ def _same_offset(a, b) -> bool:
 class _ThreadState:
     def __init__(self):
         self.pending: Update | None = None
-        self.window = collections.deque(maxlen=16)  # (rope output, offset) since the last update
+        self.window = collections.deque(maxlen=8)  # (rope output, offset) since the last update
         self.sdpa_depth = 0
 
 
@@ -126,10 +137,12 @@ class AttentionHooks:
         self._deliver: Callable | None = None
         self._missing: Callable | None = None
         self._unpaired: Callable | None = None
+        self._wants: Callable | None = None
         self._patches: list[tuple[Any, str, bool, Any]] = []
         self._local = threading.local()
         self._states: list[_ThreadState] = []
         self._states_lock = threading.Lock()
+        self._delivered_at: dict[int, int] = {}  # id(cache) -> its offset when last delivered
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> "AttentionHooks":
@@ -186,7 +199,7 @@ class AttentionHooks:
 
     # ---------------------------------------------------------------- watching
     def watch(self, caches, deliver: Callable | None = None, missing: Callable | None = None,
-              unpaired: Callable | None = None) -> None:
+              unpaired: Callable | None = None, wants: Callable | None = None) -> None:
         """Watch ``caches`` (flushes what was pending for the previous ones).
 
         Args:
@@ -196,10 +209,14 @@ class AttentionHooks:
             missing: ``missing(update)`` for an update that got no queries.
             unpaired: ``unpaired(queries, keys)`` for SDPA calls that match no
                 update (only the outermost of nested SDPA calls).
+            wants: ``wants(cache) -> bool`` checked before each update; ``False``
+                passes the update through unobserved (no per-call cost once
+                every cache has its filter). Default: every update is observed.
         """
         self.flush()
         self._index = {id(c): (p, c) for p, c in cache_leaves(caches)}
-        self._deliver, self._missing, self._unpaired = deliver, missing, unpaired
+        self._delivered_at = {}
+        self._deliver, self._missing, self._unpaired, self._wants = deliver, missing, unpaired, wants
         patched = {(o, n) for o, n, _, _ in self._patches}
         for _, c in self._index.values():
             owner = next((k for k in type(c).__mro__ if "update_and_fetch" in vars(k)), None)
@@ -233,6 +250,9 @@ class AttentionHooks:
 
     def _send(self, u: Update, queries) -> None:
         u.delivered = True
+        offset = getattr(u.cache, "offset", None)
+        if isinstance(offset, int):
+            self._delivered_at[id(u.cache)] = offset
         if self._deliver is not None:
             self._deliver(u, queries)
 
@@ -246,15 +266,18 @@ class AttentionHooks:
                 return original(cache, *args, **kwargs)
             st = hooks._state()
             hooks._flush(st)  # the previous layer's attention is done
+            if hooks._wants is not None and not hooks._wants(cache):
+                st.window.clear()
+                return original(cache, *args, **kwargs)
             keys = args[0] if args else kwargs.get("keys")
             window = list(st.window)
             st.window.clear()
-            caller = sys._getframe(1)
-            where = f"{caller.f_globals.get('__name__', '?')}.{caller.f_code.co_qualname}"
+            frame = sys._getframe(1)
+            caller = (frame.f_globals.get("__name__", "?"), frame.f_code)
             out = original(cache, *args, **kwargs)
             keys_out = out[0] if isinstance(out, (tuple, list)) and out else None
             path = entry[0]
-            st.pending = Update(path[0], path, cache, keys, keys_out, _rope_queries(window, keys), where)
+            st.pending = Update(path[0], path, cache, keys, keys_out, _rope_queries(window, keys), caller)
             return out
 
         return update_and_fetch
@@ -272,8 +295,11 @@ class AttentionHooks:
                     (cache is not None and cache is u.cache) or (keys is not None and keys is u.keys_out)):
                 if _fits(queries, u.keys_in):
                     hooks._send(u, queries)
-            elif st.sdpa_depth == 0 and hooks._unpaired is not None:
-                hooks._unpaired(queries, keys)
+            else:
+                if cache is not None and (u is None or u.cache is not cache):
+                    hooks._bypassed(cache, queries, keys)
+                if st.sdpa_depth == 0 and hooks._unpaired is not None:
+                    hooks._unpaired(queries, keys)
             st.sdpa_depth += 1
             try:
                 return original(*args, **kwargs)
@@ -281,6 +307,42 @@ class AttentionHooks:
                 st.sdpa_depth -= 1
 
         return scaled_dot_product_attention
+
+    def _offsets(self) -> dict[int, int]:
+        """Offsets of the watched caches that want queries (only with ``wants``)."""
+        if self._wants is None or self._missing is None:
+            return {}
+        return {k: c.offset for k, (_, c) in self._index.items()
+                if isinstance(getattr(c, "offset", None), int) and self._wants(c)}
+
+    def _check_advanced(self, before: dict[int, int]) -> None:
+        """End of a forward: a cache that wants queries, advanced during it and got
+        none for its current offset is reported missing, however it was updated."""
+        for key, offset in before.items():
+            path, c = self._index.get(key, (None, None))
+            if c is None or c.offset == offset or self._delivered_at.get(key) == c.offset:
+                continue
+            if self._wants(c):
+                self._missing(Update(path[0], path, c, None, None, None,
+                                     ("(an update_and_fetch the hooks did not see)", None)))
+
+    def _bypassed(self, cache, queries, keys) -> None:
+        """An SDPA call names a watched cache whose update did not go through the
+        class's ``update_and_fetch`` (e.g. an instance attribute wrapping the method
+        taken before the hooks were installed): deliver once per new offset
+        (layers reusing another layer's keys without an update deliver nothing)."""
+        entry = self._index.get(id(cache))
+        offset = getattr(cache, "offset", None)
+        if entry is None or entry[1] is not cache or not isinstance(offset, int):
+            return
+        if self._wants is not None and not self._wants(cache):
+            return
+        if self._delivered_at.get(id(cache)) == offset or not _fits(queries, keys, same_length=False):
+            return
+        path = entry[0]
+        frame = sys._getframe(2)
+        u = Update(path[0], path, cache, None, keys, None, (frame.f_globals.get("__name__", "?"), frame.f_code))
+        self._send(u, queries)
 
     def _rope_wrapper(self, original):
         hooks = self
@@ -296,12 +358,14 @@ class AttentionHooks:
         hooks = self
 
         def __call__(model, *args, **kwargs):
+            before = hooks._offsets()
             try:
                 out = original(model, *args, **kwargs)
             except BaseException:
                 hooks._state().pending = None  # the forward failed: nothing to report
                 raise
             hooks._flush(hooks._state())
+            hooks._check_advanced(before)
             return out
 
         return __call__

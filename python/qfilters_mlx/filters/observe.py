@@ -107,15 +107,18 @@ def observe_queries(model, caches: list) -> Iterator[list]:
             queries were not found while its cache waits for them.
         RuntimeError: nested use in one thread.
     """
-    observers = [c for c in caches if hasattr(c, "observe_queries")]
+    observers = [c for _, c in cache_leaves(caches) if hasattr(c, "observe_queries")]
 
     def deliver(u: Update, queries) -> None:
         fn = getattr(u.cache, "observe_queries", None)
         if fn is not None:
             fn(queries)
 
+    def observed(cache) -> bool:
+        return hasattr(cache, "observe_queries") and wants_queries(cache)
+
     def missing(u: Update) -> None:
-        if hasattr(u.cache, "observe_queries") and wants_queries(u.cache):
+        if observed(u.cache):
             layers = {u.layer: u.where}
             raise QueriesNotCaptured(
                 f"observe_queries: no queries were found for the last update of "
@@ -124,7 +127,7 @@ def observe_queries(model, caches: list) -> Iterator[list]:
 
     with AttentionHooks(model) as hooks:
         probe_queries(hooks, model, caches)
-        hooks.watch(caches, deliver, missing)
+        hooks.watch(caches, deliver, missing, wants=observed)
         for c in observers:
             c.queries_observed = True
         try:
