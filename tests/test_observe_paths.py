@@ -236,3 +236,16 @@ def test_calibrate_names_layers_without_queries():
     model = HandWritten(rope="manual", n_layers=3)
     with pytest.raises(QueriesNotCaptured, match=r"layer 0 .*layer 1 .*layer 2 .*filter-source keys"):
         cal.calibrate_filters(model, [list(range(10))])
+
+
+@pytest.mark.parametrize("source,sign", [("queries", 1), ("keys", "auto")])
+def test_cases_14_gemma2_through_the_builder(source, sign):
+    """CASES 14 as a user writes it: the builder's caches, 68 tokens in one call."""
+    from qfilters_mlx import KVCacheBuilder
+
+    model, _ = build("gemma2")
+    caches = KVCacheBuilder.for_model(model, cfg(source, sign))
+    with observe_queries(model, caches):
+        model(tokens(), cache=caches)
+        assert [c.size() for c in caches] == [BUDGET] * len(caches)
+    assert all(c.filter is not None and c.offset == T for c in caches)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from qfilters_mlx.filters.hooks import AttentionHooks, Update
+from qfilters_mlx.filters.hooks import AttentionHooks
+from qfilters_mlx.filters.pairing import Update
 
 ADVICE = ("use qfilters_filter_source='keys' with qfilters_sign=+1 or -1 (CLI: --filter-source keys "
           "--sign 1), or filters from a file (KVCacheConfig(qfilters_filters=...), CLI --filters; "

@@ -21,7 +21,9 @@ through:
    very array an ``mx.fast.rope`` call returned, the most recent earlier rope
    output of the same layer with the same offset and a compatible shape
    ``[B, H_q, L, D]`` (``H_q`` a multiple of ``H_kv``) is the layer's queries;
-4. the model class's ``__call__``: the end of a forward pass.
+4. the model class's ``__call__``: the end of a forward pass; every watched
+   cache that waits for queries, advanced during the call and got none for its
+   current offset is then reported missing, however it was updated.
 
 Each update is delivered at most once: by an SDPA call as soon as it happens
 (exactly what attention uses), else with the rope-derived queries when the
@@ -36,78 +38,17 @@ models and updates without queries are passed through untouched.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import sys
 import threading
 from typing import Any, Callable
 
 import mlx.core as mx
 
+from qfilters_mlx.filters.pairing import Update, cache_leaves, fits, rope_queries
+
 SDPA = "scaled_dot_product_attention"
 _lock = threading.Lock()
 _owner: list[int] = []  # thread id holding _lock (nested use in one thread is refused)
-
-
-@dataclasses.dataclass
-class Update:
-    """One watched ``update_and_fetch`` call awaiting its queries.
-
-    Attributes:
-        layer: index of the cache's top-level entry in the watched list.
-        path: ``(layer,)`` or ``(layer, j)`` for entry ``j`` of a ``CacheList``.
-        cache: the cache object.
-        keys_in: ``[B, H_kv, L, D]`` keys passed in (post-RoPE).
-        keys_out: keys the cache returned (``[B, H_kv, S, D]``), or ``None``.
-        rope_queries: queries found through ``mx.fast.rope``, or ``None``.
-        caller: ``(module name, code object)`` of the function that called
-            ``update_and_fetch`` (see :attr:`where`).
-    """
-
-    layer: int
-    path: tuple
-    cache: Any
-    keys_in: Any
-    keys_out: Any
-    rope_queries: Any
-    caller: tuple
-    delivered: bool = False
-
-    @property
-    def where(self) -> str:
-        """``module.qualname`` of the function that called ``update_and_fetch``."""
-        module, code = self.caller
-        return module if code is None else f"{module}.{code.co_qualname}"
-
-
-def cache_leaves(caches) -> list[tuple[tuple, Any]]:
-    """``(path, cache)`` for every cache in ``caches``; entries of mlx-lm ``CacheList``s
-    are listed with path ``(i, j)``, everything else (our caches, wrappers) with ``(i,)``."""
-    from mlx_lm.models.cache import CacheList
-
-    out = []
-    for i, c in enumerate(caches or []):
-        if isinstance(c, CacheList):
-            out.extend(((i, j), s) for j, s in enumerate(c.caches))
-        else:
-            out.append(((i,), c))
-    return out
-
-
-def _fits(queries, keys, same_length: bool = True) -> bool:
-    """``queries [B, H_q, L, D]`` can be the queries of ``keys [B, H_kv, L, D]``
-    (``same_length=False``: of keys ``[B, H_kv, S, D]`` of any length)."""
-    if not (isinstance(queries, mx.array) and isinstance(keys, mx.array)):
-        return False
-    if queries.ndim != 4 or keys.ndim != 4 or queries is keys:
-        return False
-    (b, hq, n, d), (kb, hk, kn, kd) = queries.shape, keys.shape
-    return b == kb and (n == kn or not same_length) and d == kd and hk > 0 and hq % hk == 0
-
-
-def _same_offset(a, b) -> bool:
-    if a is b:
-        return True
-    return isinstance(a, int) and isinstance(b, int) and a == b
 
 
 class _ThreadState:
@@ -277,7 +218,7 @@ class AttentionHooks:
             out = original(cache, *args, **kwargs)
             keys_out = out[0] if isinstance(out, (tuple, list)) and out else None
             path = entry[0]
-            st.pending = Update(path[0], path, cache, keys, keys_out, _rope_queries(window, keys), caller)
+            st.pending = Update(path[0], path, cache, keys, keys_out, rope_queries(window, keys), caller)
             return out
 
         return update_and_fetch
@@ -293,7 +234,7 @@ class AttentionHooks:
             u = st.pending
             if u is not None and not u.delivered and (
                     (cache is not None and cache is u.cache) or (keys is not None and keys is u.keys_out)):
-                if _fits(queries, u.keys_in):
+                if fits(queries, u.keys_in):
                     hooks._send(u, queries)
             else:
                 if cache is not None and (u is None or u.cache is not cache):
@@ -337,7 +278,7 @@ class AttentionHooks:
             return
         if self._wants is not None and not self._wants(cache):
             return
-        if self._delivered_at.get(id(cache)) == offset or not _fits(queries, keys, same_length=False):
+        if self._delivered_at.get(id(cache)) == offset or not fits(queries, keys, same_length=False):
             return
         path = entry[0]
         frame = sys._getframe(2)
@@ -370,15 +311,3 @@ class AttentionHooks:
 
         return __call__
 
-
-def _rope_queries(window: list, keys):
-    """Queries of the update whose keys are ``keys``, found among this layer's
-    ``mx.fast.rope`` outputs (see module docstring), or ``None``."""
-    for j in range(len(window) - 1, -1, -1):
-        if window[j][0] is keys:
-            offset = window[j][1]
-            for out, off in reversed(window[:j]):
-                if _same_offset(off, offset) and _fits(out, keys):
-                    return out
-            return None
-    return None

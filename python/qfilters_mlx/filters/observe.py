@@ -8,7 +8,8 @@ from typing import Iterator
 import mlx.core as mx
 
 from qfilters_mlx.filters.capture import ADVICE, QueriesNotCaptured, describe_layers
-from qfilters_mlx.filters.hooks import AttentionHooks, Update, cache_leaves
+from qfilters_mlx.filters.hooks import AttentionHooks
+from qfilters_mlx.filters.pairing import Update, cache_leaves
 
 # Probe inputs: a decode call then a 2-token call (some models take other paths for L == 1).
 PROBE_CALLS = (1, 2)
