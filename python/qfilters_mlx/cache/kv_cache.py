@@ -87,6 +87,7 @@ class QFiltersKVCache(_BaseCache):
         self.backend = get_backend(config.qfilters_backend)
         self.filter_fixed = filters is not None  # given from outside: no calibration
         self.queries_observed = False  # set by observe_queries() while it is active
+        self._queries_pending = False  # an update's queries have not arrived yet
         self._queries = None  # [B, H_q, <=calib, D] first calib_tokens queries
         self.keys = None
         self.values = None
@@ -115,6 +116,11 @@ class QFiltersKVCache(_BaseCache):
         return self._needs_filter and self.config.needs_queries
 
     @property
+    def needs_queries(self) -> bool:
+        """Whether the cache still waits for queries (query-based filter not estimated yet)."""
+        return self._calibrates_from_queries and self.filter is None
+
+    @property
     def scoring_ready(self) -> bool:
         """Whether new tokens can be scored (the filter exists, or none is needed)."""
         return not self._needs_filter or self.filter is not None
@@ -136,11 +142,18 @@ class QFiltersKVCache(_BaseCache):
             raise TypeError(f"keys and values must share a dtype, got {keys.dtype} and {values.dtype}")
         if keys.shape[2] == 0:
             raise ValueError("keys must hold at least one token (L >= 1)")
-        if self._calibrates_from_queries and self.filter is None and not self.queries_observed:
+        if self.needs_queries and not self.queries_observed:
             raise ValueError(
                 "this cache estimates its filter from queries (qfilters_sign='auto' or "
                 "qfilters_filter_source='queries'): run the model inside "
                 "`with qfilters_mlx.observe_queries(model, caches):`"
+            )
+        if self.needs_queries and getattr(self, "_queries_pending", False):
+            raise ValueError(
+                f"layer {self.layer_idx}: the queries of the previous update_and_fetch never arrived "
+                "(observe_queries did not see this layer's attention), so this cache cannot estimate "
+                "its filter and would grow past its budget; use qfilters_filter_source='keys' with "
+                "qfilters_sign=+1 or -1, or filters from a file (`qfilters-mlx calibrate`)"
             )
         if self.filter is not None and tuple(self.filter.shape) != (keys.shape[1], keys.shape[3]):
             raise ValueError(
@@ -164,6 +177,9 @@ class QFiltersKVCache(_BaseCache):
                 )
             if keys.dtype != self.keys.dtype:
                 raise TypeError(f"keys dtype {keys.dtype} does not match the cache ({self.keys.dtype})")
+        # Checks passed: the update goes ahead; a cache waiting for queries expects this
+        # call's queries (observe_queries) before its next update.
+        self._queries_pending = self.needs_queries
 
     def _append(self, keys, values) -> None:
         """Write the new rows after the live ones, growing buffers in ``step`` blocks."""
@@ -336,7 +352,8 @@ class QFiltersKVCache(_BaseCache):
         evicts down to the budget, exactly as a key-based cache does at the end
         of the call that crosses ``calib_tokens``.
         """
-        if not self._calibrates_from_queries or self.filter is not None:
+        self._queries_pending = False
+        if not self.needs_queries:
             return
         if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
             raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")

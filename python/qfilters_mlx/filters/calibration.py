@@ -21,7 +21,7 @@ import numpy as np
 
 from qfilters_mlx import __version__
 from qfilters_mlx.backends import reference
-from qfilters_mlx.filters.capture import capture_attention
+from qfilters_mlx.filters.capture import QueriesNotCaptured, capture_attention, describe_layers
 from qfilters_mlx.model_info import check_filters_shape, model_dims, model_identity
 
 FORMAT = "qfilters-mlx/filters-v1"
@@ -33,9 +33,10 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
     """Estimate query-derived filters for every layer.
 
     Args:
-        model: an mlx-lm model (plain attention layers with mlx-lm ``KVCache``).
+        model: an mlx-lm model whose layers all cache per-head keys.
         token_chunks: iterable of 1-D token sequences; each is run as one
-            independent forward pass (fresh cache), so RoPE positions restart.
+            independent forward pass (fresh caches of the model's own kind,
+            ``make_prompt_cache``), so RoPE positions restart.
         samples: at most this many query rows per query head (uniform sample of
             all tokens seen, seeded).
         seed: sampling seed.
@@ -44,26 +45,43 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
         ``[n_layers, n_kv_heads, head_dim]`` float32 unit vectors.
 
     Raises:
-        ValueError: ``samples < 1`` or no tokens.
+        ValueError: ``samples < 1``, no tokens, or the model's cache list does
+            not have one entry per layer.
+        QueriesNotCaptured: some layers delivered no queries (named, with the
+            function computing their attention); nothing is returned.
     """
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import make_prompt_cache
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     n_layers, n_kv, _ = model_dims(model)
     per_layer: list[list[mx.array]] = [[] for _ in range(n_layers)]
+    missing: dict[int, str] = {}
 
     def grab(layer, queries, _keys):
-        if layer is not None:
-            per_layer[layer].append(queries[0].astype(mx.float32))  # [H_q, L, D]
+        per_layer[layer].append(queries[0].astype(mx.float32))  # [H_q, L, D]
 
+    seen = 0
     for chunk in token_chunks:
-        caches = [KVCache() for _ in range(n_layers)]
-        with capture_attention(model, grab, caches=caches):
+        caches = make_prompt_cache(model)
+        if len(caches) != n_layers:
+            raise ValueError(f"the model's cache list has {len(caches)} entries for {n_layers} layers: "
+                             "calibration needs one attention cache per layer")
+        with capture_attention(model, grab, caches=caches, on_missing=missing.setdefault):
             model(mx.array(chunk)[None], cache=caches)
         mx.eval(per_layer)
-    if not per_layer[0]:
+        seen += len(chunk)
+    if seen == 0:
         raise ValueError("no calibration tokens")
+    missing.update({i: "no update_and_fetch call" for i, qs in enumerate(per_layer)
+                    if not qs and i not in missing})
+    if missing:
+        raise QueriesNotCaptured(
+            f"calibrate: no post-RoPE queries were found for {describe_layers(missing)} (no "
+            "scaled_dot_product_attention call and no mx.fast.rope call on the queries was seen for "
+            "their keys): query filters cannot be calibrated for this model; use "
+            "qfilters_filter_source='keys' with qfilters_sign=+1 or -1 (CLI: --filter-source keys "
+            "--sign 1) instead", missing)
     rng = np.random.default_rng(seed)
     filters = []
     for qs in per_layer:

@@ -1,0 +1,313 @@
+"""Pair every cache update with the post-RoPE queries of the same attention call.
+
+mlx-lm models have no hook for queries, so :class:`AttentionHooks` patches, for
+the duration of a ``with`` block (process-global, serialised by a lock,
+restored on exit also after an error), the places every attention path passes
+through:
+
+1. ``update_and_fetch`` of the watched caches' classes: marks the start of a
+   layer's attention call (the layer is the cache's index in the watched list;
+   its argument are the post-RoPE keys, its result the keys attention uses);
+2. the ``scaled_dot_product_attention`` name in every loaded ``mlx_lm.models.*``
+   module and in every module defining a class of the model's submodules (each
+   module imported the name from ``mlx_lm.models.base``, so patching ``base``
+   alone changes nothing), and ``mx.fast.scaled_dot_product_attention`` (models
+   that call it directly, e.g. plamo2): the queries attention actually uses,
+   matched to the pending update by its cache argument or by the identity of
+   the keys the cache returned;
+3. ``mx.fast.rope`` (used by ``nn.RoPE`` and mlx-lm's ``rope_utils``): for
+   models whose attention is written inline without SDPA (gemma2's soft-capped
+   attention, olmo, ...). When the keys passed to ``update_and_fetch`` are the
+   very array an ``mx.fast.rope`` call returned, the most recent earlier rope
+   output of the same layer with the same offset and a compatible shape
+   ``[B, H_q, L, D]`` (``H_q`` a multiple of ``H_kv``) is the layer's queries;
+4. the model class's ``__call__``: the end of a forward pass; every watched
+   cache that waits for queries, advanced during the call and got none for its
+   current offset is then reported missing, however it was updated.
+
+Each update is delivered at most once: by an SDPA call as soon as it happens
+(exactly what attention uses), else with the rope-derived queries when the
+next watched update starts, the model call returns, or the block ends. An
+update that got neither is reported as missing. An SDPA call naming a watched
+cache whose update bypassed the class method (an instance attribute wrapping
+``update_and_fetch``, taken before the hooks were installed) is delivered when
+the cache's offset advanced since its last delivery. Other caches, threads' other
+models and updates without queries are passed through untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from qfilters_mlx.filters.pairing import Update, cache_leaves, fits, rope_queries
+
+SDPA = "scaled_dot_product_attention"
+_lock = threading.Lock()
+_owner: list[int] = []  # thread id holding _lock (nested use in one thread is refused)
+
+
+class _ThreadState:
+    def __init__(self):
+        self.pending: Update | None = None
+        self.window = collections.deque(maxlen=8)  # (rope output, offset) since the last update
+        self.sdpa_depth = 0
+
+
+class AttentionHooks:
+    """Context manager installing the hooks (see module docstring).
+
+    Args:
+        model: the mlx-lm model (its class's ``__call__`` and the modules of its
+            submodules' classes are patched).
+
+    Use :meth:`watch` to choose the caches and the callbacks; it can be called
+    again inside the block (e.g. a probe with throwaway caches first).
+
+    Raises:
+        RuntimeError: entered while this thread already holds the hooks (nested use).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._index: dict[int, tuple[tuple, Any]] = {}
+        self._deliver: Callable | None = None
+        self._missing: Callable | None = None
+        self._unpaired: Callable | None = None
+        self._wants: Callable | None = None
+        self._patches: list[tuple[Any, str, bool, Any]] = []
+        self._local = threading.local()
+        self._states: list[_ThreadState] = []
+        self._states_lock = threading.Lock()
+        self._delivered_at: dict[int, int] = {}  # id(cache) -> its offset when last delivered
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "AttentionHooks":
+        if _owner and _owner[0] == threading.get_ident():
+            raise RuntimeError("observe_queries / capture_attention is already active in this thread: "
+                               "nested use is not supported (close the outer block first)")
+        _lock.acquire()
+        _owner.append(threading.get_ident())
+        try:
+            self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.flush()
+        finally:
+            self._uninstall()
+
+    def _uninstall(self) -> None:
+        try:
+            for owner, name, had, old in reversed(self._patches):
+                if had:
+                    setattr(owner, name, old)
+                else:
+                    delattr(owner, name)
+            self._patches.clear()
+            self._index.clear()
+            self._states.clear()
+        finally:
+            _owner.clear()
+            _lock.release()
+
+    def _patch(self, owner, name: str, make: Callable[[Callable], Callable]) -> None:
+        had = name in vars(owner)
+        old = vars(owner).get(name)
+        original = getattr(owner, name)
+        self._patches.append((owner, name, had, old))
+        setattr(owner, name, make(original))
+
+    def _install(self) -> None:
+        mods = {n for n in sys.modules if n.startswith("mlx_lm.models.")}
+        mods.update(type(m).__module__ for _, m in self.model.named_modules())
+        for name in sorted(mods):
+            mod = sys.modules.get(name)
+            if mod is not None and callable(vars(mod).get(SDPA)):
+                self._patch(mod, SDPA, self._sdpa_wrapper)
+        self._patch(mx.fast, SDPA, self._sdpa_wrapper)
+        self._patch(mx.fast, "rope", self._rope_wrapper)
+        self._patch(type(self.model), "__call__", self._model_wrapper)
+
+    # ---------------------------------------------------------------- watching
+    def watch(self, caches, deliver: Callable | None = None, missing: Callable | None = None,
+              unpaired: Callable | None = None, wants: Callable | None = None) -> None:
+        """Watch ``caches`` (flushes what was pending for the previous ones).
+
+        Args:
+            caches: per-layer cache list the model is called with (``CacheList``
+                entries are watched individually).
+            deliver: ``deliver(update: Update, queries [B, H_q, L, D])``, once per update.
+            missing: ``missing(update)`` for an update that got no queries.
+            unpaired: ``unpaired(queries, keys)`` for SDPA calls that match no
+                update (only the outermost of nested SDPA calls).
+            wants: ``wants(cache) -> bool`` checked before each update; ``False``
+                passes the update through unobserved (no per-call cost once
+                every cache has its filter). Default: every update is observed.
+        """
+        self.flush()
+        self._index = {id(c): (p, c) for p, c in cache_leaves(caches)}
+        self._delivered_at = {}
+        self._deliver, self._missing, self._unpaired, self._wants = deliver, missing, unpaired, wants
+        patched = {(o, n) for o, n, _, _ in self._patches}
+        for _, c in self._index.values():
+            owner = next((k for k in type(c).__mro__ if "update_and_fetch" in vars(k)), None)
+            if owner is not None and (owner, "update_and_fetch") not in patched:
+                self._patch(owner, "update_and_fetch", self._update_wrapper)
+                patched.add((owner, "update_and_fetch"))
+
+    def flush(self) -> None:
+        """Deliver or report every pending update (all threads)."""
+        with self._states_lock:
+            states = list(self._states)
+        for st in states:
+            self._flush(st)
+
+    def _state(self) -> _ThreadState:
+        st = getattr(self._local, "st", None)
+        if st is None:
+            st = self._local.st = _ThreadState()
+            with self._states_lock:
+                self._states.append(st)
+        return st
+
+    def _flush(self, st: _ThreadState) -> None:
+        u, st.pending = st.pending, None
+        if u is None or u.delivered:
+            return
+        if u.rope_queries is not None:
+            self._send(u, u.rope_queries)
+        elif self._missing is not None:
+            self._missing(u)
+
+    def _send(self, u: Update, queries) -> None:
+        u.delivered = True
+        offset = getattr(u.cache, "offset", None)
+        if isinstance(offset, int):
+            self._delivered_at[id(u.cache)] = offset
+        if self._deliver is not None:
+            self._deliver(u, queries)
+
+    # ---------------------------------------------------------------- wrappers
+    def _update_wrapper(self, original):
+        hooks = self
+
+        def update_and_fetch(cache, *args, **kwargs):
+            entry = hooks._index.get(id(cache))
+            if entry is None or entry[1] is not cache:
+                return original(cache, *args, **kwargs)
+            st = hooks._state()
+            hooks._flush(st)  # the previous layer's attention is done
+            if hooks._wants is not None and not hooks._wants(cache):
+                st.window.clear()
+                return original(cache, *args, **kwargs)
+            keys = args[0] if args else kwargs.get("keys")
+            window = list(st.window)
+            st.window.clear()
+            frame = sys._getframe(1)
+            caller = (frame.f_globals.get("__name__", "?"), frame.f_code)
+            out = original(cache, *args, **kwargs)
+            keys_out = out[0] if isinstance(out, (tuple, list)) and out else None
+            path = entry[0]
+            st.pending = Update(path[0], path, cache, keys, keys_out, rope_queries(window, keys), caller)
+            return out
+
+        return update_and_fetch
+
+    def _sdpa_wrapper(self, original):
+        hooks = self
+
+        def scaled_dot_product_attention(*args, **kwargs):
+            queries = args[0] if args else kwargs.get("queries", kwargs.get("q"))
+            keys = args[1] if len(args) > 1 else kwargs.get("keys", kwargs.get("k"))
+            cache = args[3] if len(args) > 3 else kwargs.get("cache")
+            st = hooks._state()
+            u = st.pending
+            if u is not None and not u.delivered and (
+                    (cache is not None and cache is u.cache) or (keys is not None and keys is u.keys_out)):
+                if fits(queries, u.keys_in):
+                    hooks._send(u, queries)
+            else:
+                if cache is not None and (u is None or u.cache is not cache):
+                    hooks._bypassed(cache, queries, keys)
+                if st.sdpa_depth == 0 and hooks._unpaired is not None:
+                    hooks._unpaired(queries, keys)
+            st.sdpa_depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                st.sdpa_depth -= 1
+
+        return scaled_dot_product_attention
+
+    def _offsets(self) -> dict[int, int]:
+        """Offsets of the watched caches that want queries (only with ``wants``)."""
+        if self._wants is None or self._missing is None:
+            return {}
+        return {k: c.offset for k, (_, c) in self._index.items()
+                if isinstance(getattr(c, "offset", None), int) and self._wants(c)}
+
+    def _check_advanced(self, before: dict[int, int]) -> None:
+        """End of a forward: a cache that wants queries, advanced during it and got
+        none for its current offset is reported missing, however it was updated."""
+        for key, offset in before.items():
+            path, c = self._index.get(key, (None, None))
+            if c is None or c.offset == offset or self._delivered_at.get(key) == c.offset:
+                continue
+            if self._wants(c):
+                self._missing(Update(path[0], path, c, None, None, None,
+                                     ("(an update_and_fetch the hooks did not see)", None)))
+
+    def _bypassed(self, cache, queries, keys) -> None:
+        """An SDPA call names a watched cache whose update did not go through the
+        class's ``update_and_fetch`` (e.g. an instance attribute wrapping the method
+        taken before the hooks were installed): deliver once per new offset
+        (layers reusing another layer's keys without an update deliver nothing)."""
+        entry = self._index.get(id(cache))
+        offset = getattr(cache, "offset", None)
+        if entry is None or entry[1] is not cache or not isinstance(offset, int):
+            return
+        if self._wants is not None and not self._wants(cache):
+            return
+        if self._delivered_at.get(id(cache)) == offset or not fits(queries, keys, same_length=False):
+            return
+        path = entry[0]
+        frame = sys._getframe(2)
+        u = Update(path[0], path, cache, None, keys, None, (frame.f_globals.get("__name__", "?"), frame.f_code))
+        self._send(u, queries)
+
+    def _rope_wrapper(self, original):
+        hooks = self
+
+        def rope(*args, **kwargs):
+            out = original(*args, **kwargs)
+            hooks._state().window.append((out, kwargs.get("offset", 0)))
+            return out
+
+        return rope
+
+    def _model_wrapper(self, original):
+        hooks = self
+
+        def __call__(model, *args, **kwargs):
+            before = hooks._offsets()
+            try:
+                out = original(model, *args, **kwargs)
+            except BaseException:
+                hooks._state().pending = None  # the forward failed: nothing to report
+                raise
+            hooks._flush(hooks._state())
+            hooks._check_advanced(before)
+            return out
+
+        return __call__
+
