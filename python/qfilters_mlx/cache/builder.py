@@ -119,6 +119,25 @@ def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[
     return budgeted
 
 
+def _trial_forward(model, budgeted: list[CacheSlot]) -> None:
+    """A lazy 1-token forward with throwaway eviction caches (method ``full``): a model
+    that uses its cache beyond mlx-lm's cache protocol (e.g. afm7 reads another layer's
+    cache with ``keys_and_values()``) is refused here, not at the first generation."""
+    import mlx.core as mx
+
+    trial = default_caches(model)
+    for s in budgeted:
+        replace_at(trial, s.path, QFiltersKVCache(
+            KVCacheConfig(method="full", head_dim=s.key_dim, qfilters_backend="reference")))
+    try:
+        model(mx.array([[0]], dtype=mx.int32), cache=trial)
+    except Exception as err:
+        raise ValueError(
+            f"{type(model).__module__}: the model uses its attention caches (layers "
+            f"{_layers(budgeted)}) beyond mlx-lm's cache protocol, which QFiltersKVCache does not "
+            f"provide ({type(err).__name__}: {err}); this architecture is not supported") from err
+
+
 class KVCacheBuilder:
     """Builds eviction caches for a model (see :meth:`for_model`)."""
 
@@ -144,7 +163,8 @@ class KVCacheBuilder:
             TypeError: ``config`` is not a ``KVCacheConfig``.
             ValueError: layers use multi-head latent attention (MLA, named with
                 the layers); no layer has a plain attention cache; ``config.head_dim``
-                differs from a layer's key width (both numbers named); the filters
+                differs from a layer's key width (both numbers named); the model
+                uses its caches beyond mlx-lm's cache protocol; the filters
                 do not fit the model; the backend is unavailable; the model cannot
                 be probed.
         """
@@ -152,6 +172,7 @@ class KVCacheBuilder:
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         slots = probe_layout(model)
         budgeted = _check_layout(slots, config, model)
+        _trial_forward(model, budgeted)
         filters = _layer_filters(model, config)
         caches = BudgetedCaches(default_caches(model))
         for i, s in enumerate(budgeted):
