@@ -26,7 +26,7 @@ import numpy as np
 from qfilters_mlx import __version__
 from qfilters_mlx.backends import reference
 from qfilters_mlx.filters.capture import capture_attention
-from qfilters_mlx.identity import identity_fields, identity_mismatch, identity_of_fields
+from qfilters_mlx.identity import identity_fields, identity_mismatch, identity_of_fields  # noqa: F401
 from qfilters_mlx.model_info import budgeted_slots, check_filters_shape, default_caches, model_dims, walk
 
 FORMAT = "qfilters-mlx/filters-v1"
