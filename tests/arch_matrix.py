@@ -60,19 +60,19 @@ def row(name: str) -> Row:
     if isinstance(model, Exception):
         why = str(model)
         if isinstance(model, ImportError):
-            why = "cannot be imported here: " + why.split(":", 1)[-1].strip()
+            why = f"cannot be imported here ({why})"
         return Row(name, "skipped", why)
     try:
         caches = KVCacheBuilder.for_model(model, BUILD_CONFIG)
     except ValueError as err:
         return Row(name, "refused", _refusal_cause(str(err)))
     report = caches.report
+    inside = " (inside CacheList)" if any(len(s.path) > 1 for s in report.budgeted) else ""
     if not report.partial:
-        return Row(name, "supported", f"{len(report.budgeted)} of {len(report.budgeted)} attention caches budgeted")
+        return Row(name, "supported", f"every cache is a plain attention KVCache: all budgeted{inside}")
     kept = sorted({s.cache_type for s in report.kept})
     why = "; ".join(f"{t} kept ({BOUNDED_CACHES.get(t, 'as the model built it')})" for t in kept)
-    return Row(name, "partial", f"{len(report.budgeted)} of {len(report.budgeted) + len(report.kept)} "
-                                f"caches budgeted; {why}")
+    return Row(name, "partial", f"attention KVCache budgeted{inside}; {why}")
 
 
 def rows() -> list[Row]:

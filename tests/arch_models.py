@@ -8,8 +8,10 @@ top of the generic ones (:func:`tiny_args`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import io
 import pkgutil
 import typing
 
@@ -259,10 +261,12 @@ def decoder_modules() -> list[str]:
     ``hf_olmo`` is missing)."""
     out = []
     for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        said = io.StringIO()
         try:
-            mod = importlib.import_module(f"mlx_lm.models.{info.name}")
-        except (ImportError, SystemExit) as err:
-            IMPORT_ERRORS[info.name] = f"{type(err).__name__}: {err}"
+            with contextlib.redirect_stdout(said):
+                mod = importlib.import_module(f"mlx_lm.models.{info.name}")
+        except (ImportError, SystemExit) as err:  # olmo prints what it needs, then exits
+            IMPORT_ERRORS[info.name] = said.getvalue().strip() or f"{type(err).__name__}: {err}"
             out.append(info.name)
             continue
         if hasattr(mod, "Model") and hasattr(mod, "ModelArgs"):

@@ -26,10 +26,10 @@ from mlx_lm.models.cache import CacheList, KVCache
 from qfilters_mlx.identity import model_identity  # noqa: F401  (re-exported)
 
 BOUNDED_CACHES = {
-    "RotatingKVCache": "sliding window (bounded by the model's window)",
-    "ArraysCache": "recurrent state (fixed size)",
-    "MambaCache": "recurrent state (fixed size)",
-    "ChunkedKVCache": "chunked attention (bounded by the model's chunk)",
+    "RotatingKVCache": "sliding window, bounded by the model's window",
+    "ArraysCache": "recurrent state, fixed size",
+    "MambaCache": "recurrent state, fixed size",
+    "ChunkedKVCache": "chunked attention, bounded by the model's chunk",
 }
 """Cache classes the builder keeps as they are, and why their memory is bounded."""
 
