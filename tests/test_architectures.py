@@ -172,10 +172,15 @@ def test_deepcopy_continues_like_the_original(name):
 # Modules whose attention never reaches the wrapped `scaled_dot_product_attention` name
 # (attention computed inline): filled from the
 # matrix's own results on mlx-lm 0.32.2; un-mark after merging branch `observe`.
-QUERIES_PENDING = {"gemma2", "plamo2"}
+QUERIES_PENDING = {"gemma2": PENDING_QUERIES, "plamo2": PENDING_QUERIES}
+# Budgeted caches inside a CacheList: observe_queries maps only top-level caches, so the inner
+# cache says "run the model inside observe_queries" although it is (flatten the list with
+# qfilters_mlx.model_info.walk in observe.py; to be merged with branch `observe`).
+PENDING_CACHELIST = "pending_merge: observe_queries must reach caches inside a CacheList (branch `observe`)"
+QUERIES_PENDING.update({n: PENDING_CACHELIST for n in ("baichuan_m1", "falcon_h1", "minimax_m3_vl")})
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=PENDING_QUERIES, strict=False))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=QUERIES_PENDING[n], strict=False))
                                   if n in QUERIES_PENDING else n for n in MODULES])
 def test_query_filter_evicts_or_raises(name):
     model = _built(name)
@@ -188,6 +193,7 @@ def test_query_filter_evicts_or_raises(name):
             _feed(model, caches, [12, 1])
     except (ValueError, RuntimeError) as err:
         assert re.search(r"quer", str(err)), err  # a clear error about the queries
+        assert "run the model inside" not in str(err), f"misleading inside observe_queries: {err}"
         return
     assert all(c.size() <= BUDGET + 1 and c.filter is not None for c in ours)
 

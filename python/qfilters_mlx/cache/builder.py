@@ -173,7 +173,11 @@ class KVCacheBuilder:
         slots = probe_layout(model)
         budgeted = _check_layout(slots, config, model)
         _trial_forward(model, budgeted)
-        filters = _layer_filters(model, config)
+        return KVCacheBuilder._build(config, slots, budgeted, _layer_filters(model, config), model)
+
+    @staticmethod
+    def _build(config: KVCacheConfig, slots, budgeted, filters, model) -> BudgetedCaches:
+        """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
         caches = BudgetedCaches(default_caches(model))
         for i, s in enumerate(budgeted):
             c = QFiltersKVCache(config.with_head_dim(s.key_dim), layer_idx=s.layer,
@@ -191,8 +195,11 @@ class KVCacheBuilder:
         same (already used) cache objects to every later generation, this is safe
         for repeated ``mlx_lm.generate`` calls and for servers that build a cache
         per request. Validates like :meth:`for_model` (errors are raised here, not
-        at the first generation). Returns the :class:`BuildReport`.
+        at the first generation); the model is probed once, here. Returns the
+        :class:`BuildReport`.
         """
         report = KVCacheBuilder.for_model(model, config).report  # validate now
-        model.make_cache = lambda *_a, **_k: KVCacheBuilder.for_model(model, config)
+        slots, filters = report.budgeted + report.kept, _layer_filters(model, config)
+        model.make_cache = lambda *_a, **_k: KVCacheBuilder._build(config, slots, report.budgeted,
+                                                                   filters, model)
         return report
