@@ -110,23 +110,22 @@ def test_gqa_32_query_heads_over_8_kv_heads():
 
 
 def test_non_attention_layers_keep_model_cache():
-    class Mixed:
-        """A model whose own make_cache mixes full-attention and sliding-window layers."""
+    """gemma3_text mixes sliding-window (RotatingKVCache) and global layers; read from the model.
 
-        args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=3,
-                               intermediate_size=8, num_attention_heads=4, rms_norm_eps=1e-5,
-                               vocab_size=10)
-        layers = [None, None, None]
+    (Was a fake model without a forward pass; the builder now probes the model, so the test
+    uses a real one.)"""
+    from mlx_lm.models import gemma3_text
 
-        def make_cache(self):
-            return [KVCache(), RotatingKVCache(max_size=8), KVCache()]
-
-    m = Mixed()
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=32, num_hidden_layers=3,
+                                 intermediate_size=64, num_attention_heads=4, head_dim=8,
+                                 num_key_value_heads=2, vocab_size=64, sliding_window=8,
+                                 sliding_window_pattern=2)
+    m = gemma3_text.Model(args)
     m.make_cache = lambda *_a, **_k: ["stale"]  # a previous override is ignored
     caches = KVCacheBuilder.for_model(m, KVCacheConfig(qfilters_budget=16))
-    assert isinstance(caches[0], QFiltersKVCache) and isinstance(caches[2], QFiltersKVCache)
-    assert type(caches[1]) is RotatingKVCache
-    assert caches[2].layer_idx == 2
+    assert type(caches[0]) is RotatingKVCache and type(caches[2]) is RotatingKVCache
+    assert isinstance(caches[1], QFiltersKVCache) and caches[1].layer_idx == 1
+    assert "partial" in repr(caches) and "RotatingKVCache at 0, 2" in repr(caches)
 
 
 @pytest.mark.parametrize("method", ["qfilters", "l2norm", "streaming_llm", "random", "full"])

@@ -74,12 +74,34 @@ def test_filters_file_round_trip_and_mismatch(tmp_path):
     np.testing.assert_array_equal(np.array(loaded), np.array(filters))
     assert meta["n_kv_heads"] == "3" and meta["sign_convention"] == "score = +(k . f)"
     assert meta["calibration_tokens"] == "120"
-    with pytest.raises(ValueError, match="calibrated for model"):
+    # identity mismatch names the differing fields (was: only two opaque hashes)
+    with pytest.raises(ValueError, match="calibrated for another model.*differing fields: n_parameters"):
         cal.load_filters(path, tiny_llama(layers=3))
+    with pytest.raises(ValueError, match="differing fields: weights: ") as err:
+        cal.load_filters(path, tiny_llama(seed=9))  # same shapes, other weights
+    assert "parameters:" not in str(err.value)
     with pytest.raises(ValueError, match="shape"):
         cal.save_filters(path, filters[:1], model)
     with pytest.raises(ValueError, match="shape"):
         KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 3, 8))))
+
+
+def test_identity_ignores_how_mlx_lm_parses_args_and_legacy_files_warn(tmp_path):
+    """The identity comes from the parameters, not vars(model.args) (issue 13); 0.1 files
+    (no model_fields) load with a warning when their shapes fit, and are refused otherwise."""
+    model = tiny_llama()
+    before = cal.identity_fields(model)
+    model.args.some_new_field_of_a_newer_mlx_lm = 1  # what a different mlx-lm install changes
+    assert cal.identity_fields(model) == before
+    f = cal.calibrate_filters(model, [list(range(30))], samples=20)
+    legacy = str(tmp_path / "legacy.safetensors")
+    mx.save_safetensors(legacy, {"filters": f}, {"format": cal.FORMAT, "model_id": "88e0000000000000",
+                                                  "sign_convention": cal.SIGN_CONVENTION})
+    with pytest.warns(UserWarning, match="identity is not verified"):
+        loaded, _ = cal.load_filters(legacy, model)
+    np.testing.assert_array_equal(np.array(loaded), np.array(f))
+    with pytest.raises(ValueError, match="shape"):
+        cal.load_filters(legacy, tiny_llama(layers=3))
 
 
 def test_calibrated_filter_matches_captured_queries():

@@ -53,3 +53,27 @@ def test_generate_with_filters_and_auto_sign(model_path, filters_file, capsys):
     assert main(base + ["--filter-source", "keys", "--sign", "auto"]) == 0
     out = capsys.readouterr().out
     assert "filter_source=keys sign=auto" in out and "Kept tokens per layer: 128" in out
+
+
+def test_shipped_filters_file_loads_on_a_fresh_setup(model_path):
+    """bench/results/smollm2_filters.safetensors carries the parameter-based identity (issue 13):
+    it loads without a warning, and the same architecture with other weights is refused naming
+    the field."""
+    import os
+    import warnings
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from qfilters_mlx.filters.calibration import load_filters
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "smollm2_filters.safetensors")
+    model, _ = load(str(model_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        filters, meta = load_filters(path, model)
+    assert filters.shape == (30, 3, 64) and "model_fields" in meta
+    w = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = w + mx.ones_like(w)  # same shapes, other weights
+    with pytest.raises(ValueError, match="differing fields: weights"):
+        load_filters(path, model)

@@ -1,16 +1,81 @@
-"""``KVCacheBuilder``: one eviction cache per plain-attention layer of an mlx-lm model."""
+"""``KVCacheBuilder``: one eviction cache per plain-attention cache slot of an mlx-lm model.
+
+What each slot stores is read from the model (:func:`qfilters_mlx.model_info.probe_layout`),
+not guessed from its args. Plain ``KVCache`` slots, also inside a ``CacheList``
+(falcon_h1, baichuan_m1, ...), become :class:`QFiltersKVCache` with that slot's
+own key width; other caches (sliding window, recurrent state, ...) are kept and
+reported; multi-head latent attention is refused.
+"""
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import KVCache
+from dataclasses import dataclass
 
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 from qfilters_mlx.config import KVCacheConfig
-from qfilters_mlx.model_info import model_head_dim
+from qfilters_mlx.model_info import (BOUNDED_CACHES, CacheSlot, default_caches, probe_layout,
+                                     replace_at, walk)
+
+__all__ = ["BuildReport", "BudgetedCaches", "KVCacheBuilder", "default_caches", "describe"]
+
+
+def _layers(slots) -> str:
+    return ", ".join(s.name for s in slots)
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """Which cache slots got an eviction cache and what the others keep.
+
+    Attributes:
+        budgeted: slots replaced by :class:`QFiltersKVCache`.
+        kept: slots that keep the model's own cache (with :attr:`CacheSlot.cache_type`).
+    """
+
+    budgeted: tuple[CacheSlot, ...]
+    kept: tuple[CacheSlot, ...]
+
+    @property
+    def partial(self) -> bool:
+        """Some slots keep the model's own cache."""
+        return bool(self.kept)
+
+    def summary(self) -> str:
+        """One line: ``"all 2 layers budgeted"`` or which layers keep which cache and why."""
+        n = len(self.budgeted)
+        if not self.kept:
+            return f"all {n} attention caches budgeted (layers {_layers(self.budgeted)})"
+        by_type: dict[str, list[CacheSlot]] = {}
+        for s in self.kept:
+            by_type.setdefault(s.cache_type, []).append(s)
+        kept = "; ".join(
+            f"{t} at {_layers(v)}: {BOUNDED_CACHES.get(t, 'kept as the model built it')}"
+            if t != "KVCache" else f"KVCache at {_layers(v)}: never called in a forward pass (shared)"
+            for t, v in by_type.items())
+        return f"partial: {n} attention caches budgeted (layers {_layers(self.budgeted)}); kept: {kept}"
+
+
+class BudgetedCaches(list):
+    """The list :meth:`KVCacheBuilder.for_model` returns: a plain ``list`` of per-layer
+    caches (what mlx-lm takes as ``prompt_cache``) with a :attr:`report`."""
+
+    report: BuildReport
+
+    def __repr__(self) -> str:
+        return f"BudgetedCaches({len(self)} caches; {self.report.summary()})"
+
+
+def describe(caches) -> str:
+    """A one-line summary of a cache list: its :class:`BuildReport`, or the classes it holds."""
+    report = getattr(caches, "report", None)
+    if report is not None:
+        return report.summary()
+    ours = [p for p, c in walk(caches) if isinstance(c, QFiltersKVCache)]
+    return f"{len(ours)} of {len(list(walk(caches)))} caches are QFiltersKVCache"
 
 
 def _layer_filters(model, config: KVCacheConfig):
-    """``[n_layers, n_kv_heads, head_dim]`` filters from ``config.qfilters_filters``
+    """``[n_budgeted, n_kv_heads, head_dim]`` filters from ``config.qfilters_filters``
     (a path is loaded and checked against the model), or ``None``."""
     import mlx.core as mx
     import numpy as np
@@ -28,69 +93,113 @@ def _layer_filters(model, config: KVCacheConfig):
     return f.astype(mx.float32)
 
 
-def default_caches(model) -> list:
-    """The caches the model builds for itself (its class's ``make_cache``, else ``KVCache`` per layer).
+def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[CacheSlot]:
+    """The budgeted slots; raises before anything is built (see :meth:`KVCacheBuilder.for_model`)."""
+    mla = [s for s in slots if s.mla]
+    if mla:
+        raise ValueError(
+            f"{type(model).__module__}: layers {_layers(mla)} use multi-head latent attention "
+            f"(MLA): the cache stores a compressed latent of width {mla[0].key_dim}, not per-head "
+            "keys, so Q-Filters cannot score them; this architecture is not supported")
+    budgeted = [s for s in slots if s.plain]
+    if not budgeted:
+        kinds = sorted({s.cache_type for s in slots})
+        raise ValueError(
+            f"{type(model).__module__}: no layer stores per-head keys in a plain KVCache "
+            f"(the model's caches: {', '.join(kinds) or 'none'}); nothing to budget")
+    if config.head_dim is not None:
+        widths = sorted({s.key_dim for s in budgeted})
+        if widths != [config.head_dim]:
+            per = {w: _layers([s for s in budgeted if s.key_dim == w]) for w in widths}
+            raise ValueError(
+                f"config.head_dim={config.head_dim} does not match the model's key head width "
+                + (f"{widths[0]}" if len(widths) == 1 else
+                   "(layers differ: " + "; ".join(f"{w} at layers {v}" for w, v in per.items()) + ")")
+                + "; pass head_dim=None to take each layer's own")
+    return budgeted
 
-    The class method is used so that an instance attribute ``model.make_cache``
-    set by a previous ``for_model`` call is not picked up.
-    """
-    make = getattr(type(model), "make_cache", None)
-    if make is not None:
-        return list(make(model))
-    return [KVCache() for _ in model.layers]
+
+def _trial_forward(model, budgeted: list[CacheSlot]) -> None:
+    """A lazy 1-token forward with throwaway eviction caches (method ``full``): a model
+    that uses its cache beyond mlx-lm's cache protocol (e.g. afm7 reads another layer's
+    cache with ``keys_and_values()``) is refused here, not at the first generation."""
+    import mlx.core as mx
+
+    trial = default_caches(model)
+    for s in budgeted:
+        replace_at(trial, s.path, QFiltersKVCache(
+            KVCacheConfig(method="full", head_dim=s.key_dim, qfilters_backend="reference")))
+    try:
+        model(mx.array([[0]], dtype=mx.int32), cache=trial)
+    except Exception as err:
+        raise ValueError(
+            f"{type(model).__module__}: the model uses its attention caches (layers "
+            f"{_layers(budgeted)}) beyond mlx-lm's cache protocol, which QFiltersKVCache does not "
+            f"provide ({type(err).__name__}: {err}); this architecture is not supported") from err
 
 
 class KVCacheBuilder:
     """Builds eviction caches for a model (see :meth:`for_model`)."""
 
     @staticmethod
-    def for_model(model, config: KVCacheConfig) -> list:
-        """One :class:`QFiltersKVCache` per plain-attention layer.
+    def for_model(model, config: KVCacheConfig) -> BudgetedCaches:
+        """The model's own caches with every plain ``KVCache`` replaced by a
+        :class:`QFiltersKVCache` (inside ``CacheList`` too).
 
-        Layers whose default cache is not mlx-lm's plain ``KVCache`` (sliding
-        window, SSM, ...) keep the model's own cache. Use as
-        ``model.make_cache = lambda *_a, **_k: caches``.
-
-        Args:
-            model: an mlx-lm model (``model.layers``, ``model.args``).
-            config: the eviction configuration; ``head_dim=None`` takes the model's.
-
-        Returns:
-            A list with one cache per layer.
+        Each budgeted slot gets its own key width (``config.head_dim=None``, the
+        usual case, works for every plain-attention model, including models whose
+        layers differ in width). An explicit ``config.head_dim`` must equal the
+        key width of every budgeted layer. Other caches (sliding window, recurrent
+        state, chunked) are kept; ``result.report`` / ``repr(result)`` /
+        :func:`describe` say which. Use as ``model.make_cache = lambda *_a, **_k:
+        caches`` or, for fresh caches per generation, :meth:`install`.
 
         With ``config.qfilters_filters`` (a path or an array ``[n_layers,
-        n_kv_heads, head_dim]``), layer ``i`` gets ``filters[i]`` and evicts from
-        its first call.
+        n_kv_heads, head_dim]`` over the budgeted layers, see
+        :func:`qfilters_mlx.model_info.model_dims`), budgeted slot ``i`` gets
+        ``filters[i]`` and evicts from its first call.
 
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``.
-            ValueError: ``config.head_dim`` does not match the model's head_dim,
-                the filters do not fit the model, or the configured backend is
-                unavailable.
+            ValueError: layers use multi-head latent attention (MLA, named with
+                the layers); no layer has a plain attention cache; ``config.head_dim``
+                differs from a layer's key width (both numbers named); the model
+                uses its caches beyond mlx-lm's cache protocol; the filters
+                do not fit the model; the backend is unavailable; the model cannot
+                be probed.
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        hd = model_head_dim(model)
-        if config.head_dim is None:
-            config = config.with_head_dim(hd)
-        elif config.head_dim != hd:
-            raise ValueError(f"config.head_dim={config.head_dim} does not match the model's head_dim={hd}")
-        filters = _layer_filters(model, config)
-        return [
-            QFiltersKVCache(config, layer_idx=i, filters=None if filters is None else filters[i])
-            if type(c) is KVCache else c
-            for i, c in enumerate(default_caches(model))
-        ]
+        slots = probe_layout(model)
+        budgeted = _check_layout(slots, config, model)
+        _trial_forward(model, budgeted)
+        return KVCacheBuilder._build(config, slots, budgeted, _layer_filters(model, config), model)
 
     @staticmethod
-    def install(model, config: KVCacheConfig) -> None:
+    def _build(config: KVCacheConfig, slots, budgeted, filters, model) -> BudgetedCaches:
+        """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
+        caches = BudgetedCaches(default_caches(model))
+        for i, s in enumerate(budgeted):
+            c = QFiltersKVCache(config.with_head_dim(s.key_dim), layer_idx=s.layer,
+                                filters=None if filters is None else filters[i])
+            replace_at(caches, s.path, c)
+        keys = {s.path for s in budgeted}
+        caches.report = BuildReport(tuple(budgeted), tuple(s for s in slots if s.path not in keys))
+        return caches
+
+    @staticmethod
+    def install(model, config: KVCacheConfig) -> BuildReport:
         """Make ``model.make_cache()`` build *fresh* eviction caches on every call.
 
-        Unlike the seed's ``model.make_cache = lambda *_a, **_k: caches``, which
-        hands the same (already used) cache objects to every later generation,
-        this is safe for repeated ``mlx_lm.generate`` calls and for servers that
-        build a cache per request. Validates like :meth:`for_model` (errors are
-        raised here, not at the first generation).
+        Unlike ``model.make_cache = lambda *_a, **_k: caches``, which hands the
+        same (already used) cache objects to every later generation, this is safe
+        for repeated ``mlx_lm.generate`` calls and for servers that build a cache
+        per request. Validates like :meth:`for_model` (errors are raised here, not
+        at the first generation); the model is probed once, here. Returns the
+        :class:`BuildReport`.
         """
-        KVCacheBuilder.for_model(model, config)  # validate now
-        model.make_cache = lambda *_a, **_k: KVCacheBuilder.for_model(model, config)
+        report = KVCacheBuilder.for_model(model, config).report  # validate now
+        slots, filters = report.budgeted + report.kept, _layer_filters(model, config)
+        model.make_cache = lambda *_a, **_k: KVCacheBuilder._build(config, slots, report.budgeted,
+                                                                   filters, model)
+        return report

@@ -8,7 +8,8 @@ average over each GQA group and renormalise. Result: ``[n_layers, n_kv_heads,
 head_dim]`` float32, used as ``score = +<k, f>``.
 
 File format (safetensors): one tensor ``"filters"`` and string metadata
-``format``, ``model_id`` (hash of the model's config), ``n_layers``,
+``format``, ``model_id`` (hash of ``model_fields``), ``model_fields`` (JSON: the
+identity fields of :mod:`qfilters_mlx.identity`), ``n_layers``,
 ``n_kv_heads``, ``head_dim``, ``sign_convention`` (``"score = +(k . f)"``),
 ``calibration_text``, ``calibration_tokens``, ``samples_per_head``,
 ``qfilters_mlx_version``.
@@ -16,13 +17,17 @@ File format (safetensors): one tensor ``"filters"`` and string metadata
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import mlx.core as mx
 import numpy as np
 
 from qfilters_mlx import __version__
 from qfilters_mlx.backends import reference
 from qfilters_mlx.filters.capture import QueriesNotCaptured, capture_attention, describe_layers
-from qfilters_mlx.model_info import check_filters_shape, model_dims, model_identity
+from qfilters_mlx.identity import identity_fields, identity_mismatch, identity_of_fields  # noqa: F401
+from qfilters_mlx.model_info import budgeted_slots, check_filters_shape, default_caches, model_dims, walk
 
 FORMAT = "qfilters-mlx/filters-v1"
 SIGN_CONVENTION = "score = +(k . f)"
@@ -33,10 +38,11 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
     """Estimate query-derived filters for every layer.
 
     Args:
-        model: an mlx-lm model whose layers all cache per-head keys.
+        model: an mlx-lm model; its budgeted attention layers (plain ``KVCache``
+            slots, see :func:`qfilters_mlx.model_info.model_dims`) are calibrated.
         token_chunks: iterable of 1-D token sequences; each is run as one
-            independent forward pass (fresh caches of the model's own kind,
-            ``make_prompt_cache``), so RoPE positions restart.
+            independent forward pass (fresh caches of the model's own kind),
+            so RoPE positions restart.
         samples: at most this many query rows per query head (uniform sample of
             all tokens seen, seeded).
         seed: sampling seed.
@@ -45,16 +51,15 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
         ``[n_layers, n_kv_heads, head_dim]`` float32 unit vectors.
 
     Raises:
-        ValueError: ``samples < 1``, no tokens, or the model's cache list does
-            not have one entry per layer.
+        ValueError: ``samples < 1``, no tokens, or the budgeted layers differ in
+            KV heads or width (see ``model_dims``).
         QueriesNotCaptured: some layers delivered no queries (named, with the
             function computing their attention); nothing is returned.
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     n_layers, n_kv, _ = model_dims(model)
+    paths = [s.path for s in budgeted_slots(model)]
     per_layer: list[list[mx.array]] = [[] for _ in range(n_layers)]
     missing: dict[int, str] = {}
 
@@ -63,11 +68,10 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
 
     seen = 0
     for chunk in token_chunks:
-        caches = make_prompt_cache(model)
-        if len(caches) != n_layers:
-            raise ValueError(f"the model's cache list has {len(caches)} entries for {n_layers} layers: "
-                             "calibration needs one attention cache per layer")
-        with capture_attention(model, grab, caches=caches, on_missing=missing.setdefault):
+        caches = default_caches(model)  # the model's own caches; sliding/recurrent ones too
+        slot = dict(walk(caches))
+        with capture_attention(model, grab, caches=[slot[p] for p in paths],
+                               on_missing=missing.setdefault):
             model(mx.array(chunk)[None], cache=caches)
         mx.eval(per_layer)
         seen += len(chunk)
@@ -101,8 +105,10 @@ def save_filters(path: str, filters: mx.array, model, **info) -> None:
     """
     check_filters_shape(filters, model)
     n_layers, n_kv, hd = model_dims(model)
+    fields = identity_fields(model)
     meta = {
-        "format": FORMAT, "model_id": model_identity(model), "n_layers": str(n_layers),
+        "format": FORMAT, "model_id": identity_of_fields(fields),
+        "model_fields": json.dumps(fields, sort_keys=True), "n_layers": str(n_layers),
         "n_kv_heads": str(n_kv), "head_dim": str(hd), "sign_convention": SIGN_CONVENTION,
         "qfilters_mlx_version": __version__,
     }
@@ -127,12 +133,33 @@ def load_filters(path: str, model=None) -> tuple[mx.array, dict]:
         raise ValueError(f"{path}: unsupported sign convention {meta.get('sign_convention')!r}")
     filters = arrays["filters"].astype(mx.float32)
     if model is not None:
-        mid = model_identity(model)
-        if meta.get("model_id") != mid:
-            raise ValueError(f"{path} was calibrated for model {meta.get('model_id')}, "
-                             f"not this model ({mid})")
-        check_filters_shape(filters, model)
+        _check_identity(path, meta, filters, model)
     return filters, meta
+
+
+def _check_identity(path: str, meta: dict, filters: mx.array, model) -> None:
+    """Raise unless the file was calibrated for ``model`` (see :mod:`qfilters_mlx.identity`).
+
+    Files written by 0.1 carry only a hash of the installed mlx-lm's parsed
+    ``ModelArgs`` (no ``model_fields``), which cannot be recomputed reliably:
+    they are accepted when their shapes fit, with a warning.
+    """
+    if "model_fields" not in meta:
+        check_filters_shape(filters, model)
+        warnings.warn(f"{path} was written by qfilters-mlx 0.1 (model_id {meta.get('model_id')} "
+                      "hashes mlx-lm's parsed ModelArgs and cannot be checked): its shapes fit "
+                      "this model, its identity is not verified; re-save it with save_filters "
+                      "to record the model's identity", UserWarning, stacklevel=3)
+        return
+    try:
+        stored = json.loads(meta["model_fields"])
+    except ValueError as err:
+        raise ValueError(f"{path}: unreadable model_fields metadata ({err})") from err
+    diff = identity_mismatch(stored, model)
+    if diff:
+        raise ValueError(f"{path} was calibrated for another model (model_id {meta.get('model_id')}); "
+                         f"differing fields: {'; '.join(diff)}")
+    check_filters_shape(filters, model)
 
 
 def convert_paper_filters(src: str, dst: str, model, **info) -> mx.array:
