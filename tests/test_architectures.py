@@ -31,7 +31,6 @@ BUDGET = arch_matrix.BUILD_CONFIG.qfilters_budget
 
 # Checks that fail today only because of work merged from other branches.
 PENDING_DEEPCOPY = "pending_merge: deepcopy of the cpp backend is fixed in branch `rewind`"
-PENDING_QUERIES = "pending_merge: query capture for attention computed inline, branch `observe`"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -169,19 +168,7 @@ def test_deepcopy_continues_like_the_original(name):
     np.testing.assert_array_equal(_next_logits(model, twin), want)
 
 
-# Modules whose attention never reaches the wrapped `scaled_dot_product_attention` name
-# (attention computed inline): filled from the
-# matrix's own results on mlx-lm 0.32.2; un-mark after merging branch `observe`.
-QUERIES_PENDING = {"gemma2": PENDING_QUERIES, "plamo2": PENDING_QUERIES}
-# Budgeted caches inside a CacheList: observe_queries maps only top-level caches, so the inner
-# cache says "run the model inside observe_queries" although it is (flatten the list with
-# qfilters_mlx.model_info.walk in observe.py; to be merged with branch `observe`).
-PENDING_CACHELIST = "pending_merge: observe_queries must reach caches inside a CacheList (branch `observe`)"
-QUERIES_PENDING.update({n: PENDING_CACHELIST for n in ("baichuan_m1", "falcon_h1", "minimax_m3_vl")})
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=QUERIES_PENDING[n], strict=False))
-                                  if n in QUERIES_PENDING else n for n in MODULES])
+@pytest.mark.parametrize("name", MODULES)
 def test_query_filter_evicts_or_raises(name):
     model = _built(name)
     cfg = KVCacheConfig(qfilters_budget=BUDGET, qfilters_n_sink=1, qfilters_recent=2,
