@@ -1,0 +1,136 @@
+"""Slot mode: single-token decode steps after an eviction (mixin of ``QFiltersKVCache``).
+
+Once full, the cache holds ``budget + 1`` slots per (batch row, KV head), all
+attended to, one of which (``_free [B, H]`` int32) the next token overwrites
+(attention does not depend on key order; the kept set is the one
+:func:`reference.select_keep` gives, see :func:`reference.decode_select`). A
+step scores one key (``B * H_kv * D`` multiply-adds), writes its K/V row into
+the free slot (``write_slot``, in place in the cpp backend: ``2 * B * H_kv * D
+* itemsize`` bytes), and finds the next slot to free with one ``O(budget)``
+scan of the scores per (row, head), copying the float32 scores and int64
+positions (``12 * B * H_kv * (budget + 1)`` bytes). No K/V compaction, no sort.
+
+The free slot's content is never read (the next step overwrites it first; a
+multi-token call drops it). With a rewind journal (:mod:`.journal`) a step also
+gathers the rows of the slot it just freed (the journal's record of the next
+step), evaluated together with the returned keys through ``mx.depends``: the
+gather then never holds the buffer when the next ``write_slot`` runs, so that
+write stays in place.
+
+Any multi-token call first puts the rows back in temporal order
+(:meth:`SlotModeMixin._leave_slots`: one argsort + gather, ``O(budget log budget)``);
+``state``, ``kept_positions()`` and window masks read a temporal view
+(:meth:`SlotModeMixin._temporal`) without changing the layout.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from qfilters_mlx.cache.journal import StepRecord
+from qfilters_mlx.cache.scorers import insertion_scores
+
+_BIG = 2**62
+
+
+def _take(buf: mx.array, order: mx.array) -> mx.array:
+    return mx.take_along_axis(buf, order[..., None] if buf.ndim == 4 else order, axis=2)
+
+
+class SlotModeMixin:
+    """Decode steps in slot mode (see the module docstring)."""
+
+    def _slot_order(self) -> mx.array:
+        """``[B, H, S-1]`` int32: the live slots in ascending position (free slot excluded)."""
+        S = self.keys.shape[2]
+        slot = mx.arange(S, dtype=mx.int32)[None, None, :]
+        key = mx.where(slot == self._free[:, :, None], mx.array(_BIG, mx.int64), self.positions)
+        return mx.argsort(key, axis=2)[:, :, : S - 1].astype(mx.int32)
+
+    def _temporal(self) -> tuple:
+        """``(keys, values, scores, positions)``: the live rows in temporal order
+        (``[B, H, size(), ...]``; ``None`` while empty), leaving the layout as it is."""
+        arrays = (self.keys, self.values, self.scores, self.positions)
+        if self._free is None:
+            return tuple(None if a is None else a[:, :, : self._n] for a in arrays)
+        order = self._slot_order()
+        return tuple(_take(a, order) for a in arrays)
+
+    def _leave_slots(self):
+        """Back from slot mode to ``budget`` rows in temporal order (drops the free slot).
+
+        Returns ``(order, free, free-slot rows)`` (what a rewind needs to come
+        back to the slot layout), or ``None`` when not in slot mode.
+        """
+        if self._free is None:
+            return None
+        order = self._slot_order()
+        layout = (order, self._free, self._victim_rows)
+        arrays = (self.keys, self.values, self.scores, self.positions)
+        self.keys, self.values, self.scores, self.positions = (_take(a, order) for a in arrays)
+        self._n = order.shape[2]
+        self._free = None
+        self._victim_rows = None
+        return layout
+
+    def _decode_step(self, keys, values):
+        """Single-token update once the cache is full: write the token into the free
+        slot (``backend.write_slot``, in place in the cpp backend), score it and pick
+        the next slot to free (``backend.decode_select_keys`` for Q-Filters: one
+        primitive in the cpp backend; ``decode_select`` of the method's score otherwise)."""
+        c = self.config
+        record = StepRecord(free=self._free, rows=self._victim_rows, n=self._n)
+        if self._free is None:  # enter slot mode: one spare row after the kept ones
+            n = self._n
+            spare = lambda buf: mx.concatenate([buf[:, :, :n], buf[:, :, :1]], axis=2)  # noqa: E731
+            self.keys, self.values = spare(self.keys), spare(self.values)
+            self.scores, self.positions = spare(self.scores), spare(self.positions)
+            B, H = self.keys.shape[:2]
+            self._free = mx.full((B, H), n, dtype=mx.int32)
+        free, be = self._free, self.backend
+        self.keys = be.write_slot(self.keys, keys, free)
+        self.values = be.write_slot(self.values, values, free)
+        if self.method == "qfilters":  # score + bookkeeping in one op (cpp)
+            self.scores, self.positions, self._free = be.decode_select_keys(
+                self.scores, self.positions, keys, self.filter, free, self.offset,
+                c.score_sign, c.qfilters_n_sink, c.protected_recent,
+            )
+        else:
+            pos = None
+            if self.method in ("random", "streaming_llm"):
+                pos = mx.full((*keys.shape[:2], 1), self.offset, dtype=mx.int64)
+            new_scores = insertion_scores(
+                c.method, keys, pos, filters=self.filter, sign=c.score_sign,
+                seed=c.qfilters_seed, layer=self.layer_idx, backend=be, finite=False,
+            )
+            self.scores, self.positions, self._free = be.decode_select(
+                self.scores, self.positions, new_scores, free, self.offset,
+                c.qfilters_n_sink, c.protected_recent,
+            )
+        self.offset += 1
+        if not self._journal.active:
+            return self.keys, self.values
+        self._journal.push(record)
+        idx = self._free[:, :, None]
+        rows = tuple(_take(a, idx) for a in (self.keys, self.values, self.scores, self.positions))
+        self._victim_rows = rows
+        return mx.depends([self.keys], list(rows))[0], self.values
+
+    def _undo_step(self, record: StepRecord) -> None:
+        """Undo the newest decode step (``record`` is its journal entry)."""
+        if record.free is None:  # the step entered slot mode: drop the spare slot
+            n = record.n
+            arrays = (self.keys, self.values, self.scores, self.positions)
+            self.keys, self.values, self.scores, self.positions = (a[:, :, :n] for a in arrays)
+            self._free = None
+        else:
+            f = record.free
+            if record.rows is not None:
+                k, v, s, p = record.rows
+                self.keys = self.backend.write_slot(self.keys, k, f)
+                self.values = self.backend.write_slot(self.values, v, f)
+                self.scores = mx.put_along_axis(self.scores, f[:, :, None], s, axis=2)
+                self.positions = mx.put_along_axis(self.positions, f[:, :, None], p, axis=2)
+            self._free = f
+        self._victim_rows = record.rows
+        self.offset -= 1
