@@ -15,11 +15,13 @@ never saw the rewound tokens: keys, values, scores, positions, slot layout,
 What a record holds (``B, H = batch, KV heads``; bytes are counted in ``nbytes``):
 
 * a slot-mode decode step (:class:`StepRecord`): the slot it wrote, ``[B, H]``
-  int32, and the rows that slot held before (the previous step's victim: K/V
-  ``[B, H, 1, D]``, score ``[B, H, 1]`` float32, position ``[B, H, 1]`` int64).
-  Those rows are gathered when the victim is chosen and evaluated with the
-  step's outputs (``mx.depends``), so the next in-place ``write_slot`` still
-  reuses the buffer (no copy of the whole buffer per step).
+  int32, the K/V rows that slot held before (the previous step's victim,
+  ``[B, H, 1, D]`` each) and the scores/positions arrays before the step
+  (``[B, H, budget + 1]``, float32 and int64: each step makes new ones, so
+  they are kept by reference). The K/V rows are gathered when the victim is
+  chosen and evaluated with the step's outputs (``mx.depends``), so the next
+  in-place ``write_slot`` still reuses the buffer (no copy of the whole buffer
+  per step). Per step and layer: ``B H (4 + (D_k + D_v) itemsize + 12 (budget + 1))`` bytes.
 * a multi-token call (:class:`CallRecord`): the rows its eviction dropped
   (``[B, H, E, *]``, ``E`` = rows before + ``L`` - budget; with the rows kept
   they hold the call's own tokens, re-applied on a partial rewind), the slot
@@ -48,8 +50,10 @@ class StepRecord:
     """Undo data of one slot-mode decode step (see module docstring)."""
 
     free: mx.array | None  # [B, H] slot written; None: the step entered slot mode
-    rows: tuple | None  # (k, v, score, pos) the slot held; None: dead content
+    rows: tuple | None  # (k, v) [B, H, 1, D] the slot held; None: dead content
     n: int  # live rows before the step
+    scores: mx.array | None = None  # [B, H, S] float32 before the step
+    positions: mx.array | None = None  # [B, H, S] int64 before the step
     tokens: int = 1
 
 
@@ -67,6 +71,15 @@ class CallRecord:
     dropped: tuple | None = None  # (k, v, score, pos) rows the eviction dropped
     observed: mx.array | None = None  # queries observed for this call (re-apply)
     capacity: int = 0  # buffer rows before the call (restored before the first eviction)
+
+
+@dataclass
+class LayoutRecord:
+    """Undo data of a switch from slot mode to temporal order outside a call
+    (``kept_positions()``, window masks): the slot layout left."""
+
+    slots: tuple  # (order [B,H,S-1], free [B,H], free-slot rows)
+    tokens: int = 0
 
 
 def _nbytes(x) -> int:
@@ -116,7 +129,7 @@ class RewindJournal:
         """Forget the newest ``n`` tokens (a plain trim before any eviction)."""
         while n > 0 and self.records:
             rec = self.records[-1]
-            if rec.tokens <= n:
+            if rec.tokens <= n:  # (a LayoutRecord only exists after an eviction)
                 n -= self.pop().tokens
                 continue
             keep = rec.tokens - n
@@ -129,7 +142,9 @@ class RewindJournal:
         total = 0
         for r in self.records:
             if isinstance(r, StepRecord):
-                total += _nbytes(r.free) + _nbytes(r.rows)
+                total += _nbytes((r.free, r.rows, r.scores, r.positions))
+            elif isinstance(r, LayoutRecord):
+                total += _nbytes(r.slots)
             else:
                 total += _nbytes((r.slots, r.dropped, r.observed))
         return total

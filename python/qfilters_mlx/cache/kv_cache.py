@@ -351,13 +351,15 @@ class QFiltersKVCache(SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccounti
                 "window_size masks are not supported after per-head eviction "
                 f"(method={self.method!r}); use the model's own cache for sliding-window layers"
             )
+        self._to_temporal()
         q = self.offset + mx.arange(N)[:, None]
-        k = mx.concatenate([self._temporal()[3][0, 0], self.offset + mx.arange(N)])[None]
+        k = mx.concatenate([self.positions[0, 0, :S], self.offset + mx.arange(N)])[None]
         return (k <= q) & (k > q - window_size)
 
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
-        return self._temporal()[3]
+        self._to_temporal()
+        return self.positions[:, :, : self._n]
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """Refused: mlx-lm calls this for ``kv_bits`` / ``--kv-bits`` (``maybe_quantize_kv_cache``).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfilters_mlx.cache.journal import CallRecord, StepRecord, rows_between, to_slots
+from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, StepRecord, rows_between
 
 
 class RewindMixin:
@@ -76,6 +76,9 @@ class RewindMixin:
                 self._undo_step(rec)
                 left -= 1
                 continue
+            if isinstance(rec, LayoutRecord):
+                self._undo_layout(rec)
+                continue
             redo = None
             if rec.tokens > left:  # the rewind ends inside this call: re-apply its head
                 m = rec.tokens - left
@@ -108,15 +111,7 @@ class RewindMixin:
         """Undo the newest multi-token call (the cache is in its post-call state)."""
         if rec.dropped is not None:
             rows = rows_between(self._pool(rec), -1, rec.offset, rec.n)
-            if rec.slots is not None:
-                order, free, free_rows = rec.slots
-                rows = to_slots(rows, order)
-                if free_rows is not None:
-                    rows = tuple(mx.put_along_axis(a, free[:, :, None, None] if a.ndim == 4
-                                                   else free[:, :, None], r, axis=2)
-                                 for a, r in zip(rows, free_rows))
-                self._free, self._victim_rows = free, free_rows
-            elif not rec.evicted and rec.capacity > rec.n:  # the buffers' size before the call
+            if not rec.evicted and rec.capacity > rec.n:  # the buffers' size before the call
                 rows = tuple(mx.concatenate(
                     [a, mx.zeros((*a.shape[:2], rec.capacity - rec.n, *a.shape[3:]), a.dtype)], axis=2)
                     for a in rows)
@@ -128,3 +123,5 @@ class RewindMixin:
         self.evicted = rec.evicted
         self.offset = rec.offset
         self._n = rec.n
+        if rec.slots is not None:  # the call started in slot mode
+            self._undo_layout(LayoutRecord(rec.slots))

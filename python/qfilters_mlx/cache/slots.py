@@ -12,14 +12,16 @@ positions (``12 * B * H_kv * (budget + 1)`` bytes). No K/V compaction, no sort.
 
 The free slot's content is never read (the next step overwrites it first; a
 multi-token call drops it). With a rewind journal (:mod:`.journal`) a step also
-gathers the rows of the slot it just freed (the journal's record of the next
-step), evaluated together with the returned keys through ``mx.depends``: the
-gather then never holds the buffer when the next ``write_slot`` runs, so that
-write stays in place.
+gathers the K/V rows of the slot it just freed (for the journal's record of
+the next step), evaluated together with the returned keys through
+``mx.depends``: the gather then never holds the buffer when the next
+``write_slot`` runs, so that write stays in place. The scores and positions
+(new arrays every step) are kept by reference.
 
-Any multi-token call first puts the rows back in temporal order
-(:meth:`SlotModeMixin._leave_slots`: one argsort + gather, ``O(budget log budget)``);
-``state``, ``kept_positions()`` and window masks read a temporal view
+Any multi-token call, ``kept_positions()`` or a window mask first puts the rows
+back in temporal order (:meth:`SlotModeMixin._leave_slots`: one argsort +
+gather, ``O(budget log budget)``; outside a call the journal records the
+switch so that rewinds stay exact); ``state`` reads a temporal view
 (:meth:`SlotModeMixin._temporal`) without changing the layout.
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfilters_mlx.cache.journal import StepRecord
+from qfilters_mlx.cache.journal import LayoutRecord, StepRecord, to_slots
 from qfilters_mlx.cache.scorers import insertion_scores
 
 _BIG = 2**62
@@ -73,13 +75,32 @@ class SlotModeMixin:
         self._victim_rows = None
         return layout
 
+    def _to_temporal(self) -> None:
+        """Leave slot mode outside a call (recorded in the journal, 0 tokens)."""
+        layout = self._leave_slots()
+        if layout is not None and self._journal.active:
+            self._journal.push(LayoutRecord(layout))
+
+    def _undo_layout(self, record: LayoutRecord) -> None:
+        """Back to the slot layout a :class:`LayoutRecord` left."""
+        order, free, rows = record.slots
+        arrays = (self.keys, self.values, self.scores, self.positions)
+        arrays = to_slots(tuple(a[:, :, : self._n] for a in arrays), order)
+        if rows is not None:  # the free slot's K/V (its score and position are never read)
+            idx = free[:, :, None, None]
+            arrays = (mx.put_along_axis(arrays[0], idx, rows[0], axis=2),
+                      mx.put_along_axis(arrays[1], idx, rows[1], axis=2), *arrays[2:])
+        self.keys, self.values, self.scores, self.positions = arrays
+        self._free, self._victim_rows = free, rows
+
     def _decode_step(self, keys, values):
         """Single-token update once the cache is full: write the token into the free
         slot (``backend.write_slot``, in place in the cpp backend), score it and pick
         the next slot to free (``backend.decode_select_keys`` for Q-Filters: one
         primitive in the cpp backend; ``decode_select`` of the method's score otherwise)."""
         c = self.config
-        record = StepRecord(free=self._free, rows=self._victim_rows, n=self._n)
+        record = StepRecord(free=self._free, rows=self._victim_rows, n=self._n,
+                            scores=self.scores, positions=self.positions)
         if self._free is None:  # enter slot mode: one spare row after the kept ones
             n = self._n
             spare = lambda buf: mx.concatenate([buf[:, :, :n], buf[:, :, :1]], axis=2)  # noqa: E731
@@ -112,7 +133,7 @@ class SlotModeMixin:
             return self.keys, self.values
         self._journal.push(record)
         idx = self._free[:, :, None]
-        rows = tuple(_take(a, idx) for a in (self.keys, self.values, self.scores, self.positions))
+        rows = (_take(self.keys, idx), _take(self.values, idx))
         self._victim_rows = rows
         return mx.depends([self.keys], list(rows))[0], self.values
 
@@ -120,17 +141,16 @@ class SlotModeMixin:
         """Undo the newest decode step (``record`` is its journal entry)."""
         if record.free is None:  # the step entered slot mode: drop the spare slot
             n = record.n
-            arrays = (self.keys, self.values, self.scores, self.positions)
-            self.keys, self.values, self.scores, self.positions = (a[:, :, :n] for a in arrays)
+            self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
+            self.scores, self.positions = record.scores[:, :, :n], record.positions[:, :, :n]
             self._free = None
         else:
             f = record.free
             if record.rows is not None:
-                k, v, s, p = record.rows
+                k, v = record.rows
                 self.keys = self.backend.write_slot(self.keys, k, f)
                 self.values = self.backend.write_slot(self.values, v, f)
-                self.scores = mx.put_along_axis(self.scores, f[:, :, None], s, axis=2)
-                self.positions = mx.put_along_axis(self.positions, f[:, :, None], p, axis=2)
+            self.scores, self.positions = record.scores, record.positions
             self._free = f
         self._victim_rows = record.rows
         self.offset -= 1
