@@ -56,8 +56,10 @@ class RewindMixin:
             n = min(n, self._n)
             self._n -= n
             self.offset -= n
-            if self._needs_filter and self.offset < self.config.qfilters_calib_tokens:
+            if (self._needs_filter and self.filter is not None
+                    and self.offset < self.config.qfilters_calib_tokens):
                 self.filter = None
+                self.scores = mx.zeros_like(self.scores)  # unscored again, as before calibration
             if self._queries is not None:
                 self._queries = self._queries[:, :, : self.offset]
             self._journal.drop_tail(n)
