@@ -149,10 +149,10 @@ def test_journal_bytes_are_counted():
     c.update_and_fetch(k[:, :, :30], v[:, :, :30])
     for t in range(30, 45):
         c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
-    # 5 decode steps recorded: slot [1,2] int32, K/V row [1,2,1,8] f32 each, scores+positions
-    # [1,2,13] f32+i64; plus the current free slot's K/V row
-    per_step = 2 * 4 + 2 * (2 * 8 * 4) + 2 * 13 * (4 + 8)
-    assert c.journal_nbytes == 5 * per_step + 2 * (2 * 8 * 4)
+    # 5 decode steps recorded: slot [1,2] int32, K/V row [1,2,1,8] f32 each, score f32 and
+    # position i64 [1,2,1]; plus the current free slot's rows
+    rows = 2 * (2 * 8 * 4) + 2 * (4 + 8)
+    assert c.journal_nbytes == 5 * (2 * 4 + rows) + rows
     assert c.nbytes == sum(a.nbytes for a in (c.keys, c.values, c.scores, c.positions, c.filter)) \
         + c.journal_nbytes
 

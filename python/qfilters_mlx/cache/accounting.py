@@ -19,9 +19,9 @@ class ByteAccountingMixin:
     @property
     def journal_nbytes(self) -> int:
         """Bytes held only to make rewinds exact (``qfilters_max_rewind``): per decode step
-        recorded, the slot, the K/V row it held and the scores/positions before it
-        (``B H (4 + (D_k + D_v) itemsize + 12 (budget + 1))``); per multi-token call,
-        the rows its eviction dropped; plus the current free slot's K/V rows."""
+        recorded, the slot and the rows it held (``B H (4 + (D_k + D_v) itemsize + 12)``;
+        the step entering slot mode: the scores/positions before it, ``12 B H budget``);
+        per multi-token call, the rows its eviction dropped; plus the free slot's rows."""
         rows = self._victim_rows
         pending = 0 if rows is None else sum(a.nbytes for a in rows)
         return self._journal.nbytes + pending

@@ -15,13 +15,13 @@ never saw the rewound tokens: keys, values, scores, positions, slot layout,
 What a record holds (``B, H = batch, KV heads``; bytes are counted in ``nbytes``):
 
 * a slot-mode decode step (:class:`StepRecord`): the slot it wrote, ``[B, H]``
-  int32, the K/V rows that slot held before (the previous step's victim,
-  ``[B, H, 1, D]`` each) and the scores/positions arrays before the step
-  (``[B, H, budget + 1]``, float32 and int64: each step makes new ones, so
-  they are kept by reference). The K/V rows are gathered when the victim is
-  chosen and evaluated with the step's outputs (``mx.depends``), so the next
-  in-place ``write_slot`` still reuses the buffer (no copy of the whole buffer
-  per step). Per step and layer: ``B H (4 + (D_k + D_v) itemsize + 12 (budget + 1))`` bytes.
+  int32, and the rows that slot held before (the previous step's victim: K/V
+  ``[B, H, 1, D]``, score ``[B, H, 1]`` float32, position ``[B, H, 1]`` int64):
+  ``B H (4 + (D_k + D_v) itemsize + 12)`` bytes per step and layer. The rows
+  are gathered when the victim is chosen and evaluated with the step's outputs
+  (``mx.depends``), so the next in-place ``write_slot`` still reuses the buffer
+  (no copy of the whole buffer per step). The step that enters slot mode keeps
+  the scores/positions before it instead (``12 B H budget`` bytes).
 * a multi-token call (:class:`CallRecord`): the rows its eviction dropped
   (``[B, H, E, *]``, ``E`` = rows before + ``L`` - budget; with the rows kept
   they hold the call's own tokens, re-applied on a partial rewind), the slot
@@ -50,10 +50,10 @@ class StepRecord:
     """Undo data of one slot-mode decode step (see module docstring)."""
 
     free: mx.array | None  # [B, H] slot written; None: the step entered slot mode
-    rows: tuple | None  # (k, v) [B, H, 1, D] the slot held; None: dead content
+    rows: tuple | None  # (k, v, score, pos) the slot held; None: dead content
     n: int  # live rows before the step
-    scores: mx.array | None = None  # [B, H, S] float32 before the step
-    positions: mx.array | None = None  # [B, H, S] int64 before the step
+    scores: mx.array | None = None  # [B, H, n] float32 before a step entering slot mode
+    positions: mx.array | None = None  # [B, H, n] int64 before a step entering slot mode
     tokens: int = 1
 
 

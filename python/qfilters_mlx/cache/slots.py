@@ -12,11 +12,10 @@ positions (``12 * B * H_kv * (budget + 1)`` bytes). No K/V compaction, no sort.
 
 The free slot's content is never read (the next step overwrites it first; a
 multi-token call drops it). With a rewind journal (:mod:`.journal`) a step also
-gathers the K/V rows of the slot it just freed (for the journal's record of
-the next step), evaluated together with the returned keys through
-``mx.depends``: the gather then never holds the buffer when the next
-``write_slot`` runs, so that write stays in place. The scores and positions
-(new arrays every step) are kept by reference.
+gathers the rows of the slot it just freed (K/V, score, position: for the
+journal's record of the next step), evaluated together with the returned keys
+through ``mx.depends``: the gathers then never hold the buffers when the next
+``write_slot`` runs, so that write stays in place.
 
 Any multi-token call, ``kept_positions()`` or a window mask first puts the rows
 back in temporal order (:meth:`SlotModeMixin._leave_slots`: one argsort +
@@ -86,10 +85,9 @@ class SlotModeMixin:
         order, free, rows = record.slots
         arrays = (self.keys, self.values, self.scores, self.positions)
         arrays = to_slots(tuple(a[:, :, : self._n] for a in arrays), order)
-        if rows is not None:  # the free slot's K/V (its score and position are never read)
-            idx = free[:, :, None, None]
-            arrays = (mx.put_along_axis(arrays[0], idx, rows[0], axis=2),
-                      mx.put_along_axis(arrays[1], idx, rows[1], axis=2), *arrays[2:])
+        if rows is not None:  # the free slot's rows (needed if a deeper step is undone)
+            arrays = tuple(mx.put_along_axis(a, free[:, :, None, None] if a.ndim == 4 else free[:, :, None],
+                                             r, axis=2) for a, r in zip(arrays, rows))
         self.keys, self.values, self.scores, self.positions = arrays
         self._free, self._victim_rows = free, rows
 
@@ -99,8 +97,10 @@ class SlotModeMixin:
         the next slot to free (``backend.decode_select_keys`` for Q-Filters: one
         primitive in the cpp backend; ``decode_select`` of the method's score otherwise)."""
         c = self.config
+        entering = self._free is None
         record = StepRecord(free=self._free, rows=self._victim_rows, n=self._n,
-                            scores=self.scores, positions=self.positions)
+                            scores=self.scores if entering else None,
+                            positions=self.positions if entering else None)
         if self._free is None:  # enter slot mode: one spare row after the kept ones
             n = self._n
             spare = lambda buf: mx.concatenate([buf[:, :, :n], buf[:, :, :1]], axis=2)  # noqa: E731
@@ -133,7 +133,7 @@ class SlotModeMixin:
             return self.keys, self.values
         self._journal.push(record)
         idx = self._free[:, :, None]
-        rows = (_take(self.keys, idx), _take(self.values, idx))
+        rows = tuple(_take(a, idx) for a in (self.keys, self.values, self.scores, self.positions))
         self._victim_rows = rows
         return mx.depends([self.keys], list(rows))[0], self.values
 
@@ -146,11 +146,12 @@ class SlotModeMixin:
             self._free = None
         else:
             f = record.free
-            if record.rows is not None:
-                k, v = record.rows
+            if record.rows is not None:  # (else the slot's old content was never needed)
+                k, v, sc, p = record.rows
                 self.keys = self.backend.write_slot(self.keys, k, f)
                 self.values = self.backend.write_slot(self.values, v, f)
-            self.scores, self.positions = record.scores, record.positions
+                self.scores = mx.put_along_axis(self.scores, f[:, :, None], sc, axis=2)
+                self.positions = mx.put_along_axis(self.positions, f[:, :, None], p, axis=2)
             self._free = f
         self._victim_rows = record.rows
         self.offset -= 1
