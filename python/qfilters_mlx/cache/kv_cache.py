@@ -30,7 +30,6 @@ import math
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from qfilters_mlx.backends import reference
@@ -241,7 +240,7 @@ class QFiltersKVCache(SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccounti
         self.keys, self.values = k, v
         self._n = kept.shape[2]
         self.evicted = True
-        self._queries = None  # no trim after an eviction: calibration is final
+        self._queries = None  # calibration is final (a rewind restores them from the journal)
 
     # ------------------------------------------------------------ cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -324,37 +323,6 @@ class QFiltersKVCache(SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccounti
 
     def empty(self) -> bool:
         return self.keys is None
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """Attention mask for ``N`` new queries over the ``size() + N`` keys returned next.
-
-        Stored tokens all precede the new ones, so the causal mask is
-        bottom-right aligned: ``"causal"`` (``None`` for ``N == 1``: nothing to
-        mask), or a boolean ``[N, size() + N]`` array when ``return_array``
-        (also for ``N == 1``). With
-        ``window_size`` the mask is built from absolute positions, which is
-        possible while every head stores the same positions (before any
-        eviction, and always for ``streaming_llm``/``full``).
-
-        Raises:
-            ValueError: ``window_size`` after a per-head eviction.
-        """
-        S = self._n
-        if window_size is None:
-            if return_array:
-                return create_causal_mask(N, S)
-            return None if N == 1 else "causal"
-        if not self.evicted:
-            return create_causal_mask(N, S, window_size=window_size)
-        if self.method not in ("streaming_llm", "full"):
-            raise ValueError(
-                "window_size masks are not supported after per-head eviction "
-                f"(method={self.method!r}); use the model's own cache for sliding-window layers"
-            )
-        self._to_temporal()
-        q = self.offset + mx.arange(N)[:, None]
-        k = mx.concatenate([self.positions[0, 0, :S], self.offset + mx.arange(N)])[None]
-        return (k <= q) & (k > q - window_size)
 
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""

@@ -27,6 +27,7 @@ switch so that rewinds stay exact); ``state`` reads a temporal view
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 from qfilters_mlx.cache.journal import LayoutRecord, StepRecord, to_slots
 from qfilters_mlx.cache.scorers import insertion_scores
@@ -39,7 +40,38 @@ def _take(buf: mx.array, order: mx.array) -> mx.array:
 
 
 class SlotModeMixin:
-    """Decode steps in slot mode (see the module docstring)."""
+    """Decode steps in slot mode (see the module docstring) and the attention mask."""
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Attention mask for ``N`` new queries over the ``size() + N`` keys returned next.
+
+        Stored tokens all precede the new ones, so the causal mask is
+        bottom-right aligned: ``"causal"`` (``None`` for ``N == 1``: nothing to
+        mask), or a boolean ``[N, size() + N]`` array when ``return_array``
+        (also for ``N == 1``). With
+        ``window_size`` the mask is built from absolute positions, which is
+        possible while every head stores the same positions (before any
+        eviction, and always for ``streaming_llm``/``full``).
+
+        Raises:
+            ValueError: ``window_size`` after a per-head eviction.
+        """
+        S = self._n
+        if window_size is None:
+            if return_array:
+                return create_causal_mask(N, S)
+            return None if N == 1 else "causal"
+        if not self.evicted:
+            return create_causal_mask(N, S, window_size=window_size)
+        if self.method not in ("streaming_llm", "full"):
+            raise ValueError(
+                "window_size masks are not supported after per-head eviction "
+                f"(method={self.method!r}); use the model's own cache for sliding-window layers"
+            )
+        self._to_temporal()
+        q = self.offset + mx.arange(N)[:, None]
+        k = mx.concatenate([self.positions[0, 0, :S], self.offset + mx.arange(N)])[None]
+        return (k <= q) & (k > q - window_size)
 
     def _slot_order(self) -> mx.array:
         """``[B, H, S-1]`` int32: the live slots in ascending position (free slot excluded)."""
