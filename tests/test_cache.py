@@ -221,14 +221,20 @@ def test_make_mask_window_before_eviction_and_streaming():
 
 
 # ---------------------------------------------------------------- CASES 6
-def test_trim_only_before_eviction():
+def test_trim_before_and_after_eviction():
     k, v = rand_kv(13, T=30)
-    c = make(budget=8, n_sink=2, recent=2, calib=4)
+    c = make(budget=8, n_sink=2, recent=2, calib=4, qfilters_max_rewind=4)
     c.update_and_fetch(k[:, :, :20], v[:, :, :20])
-    assert not c.is_trimmable()
+    assert c.evicted and c.is_trimmable()  # rewinds within qfilters_max_rewind are exact
     snap = (c.offset, c.size(), kept(c).copy())
-    assert c.trim(3) == 0 and c.trim(-5) == 0
+    assert c.trim(-5) == 0 and (c.offset, c.size()) == snap[:2]
+    with pytest.raises(ValueError, match="cannot rewind 5 tokens"):  # deeper than the journal
+        c.trim(5)
     assert (c.offset, c.size()) == snap[:2] and np.array_equal(kept(c), snap[2])
+    assert c.trim(3) == 3 and c.offset == 17  # as if only 17 tokens had been fed
+    ref = make(budget=8, n_sink=2, recent=2, calib=4, qfilters_max_rewind=4)
+    ref.update_and_fetch(k[:, :, :17], v[:, :, :17])
+    np.testing.assert_array_equal(kept(c), kept(ref))
 
     c = make(budget=64, calib=4)
     c.update_and_fetch(k[:, :, :20], v[:, :, :20])

@@ -3,7 +3,10 @@
 Godey et al., "Q-Filters: Leveraging QK Geometry for Efficient KV Cache
 Compression", arXiv:2503.02812. Importing this package builds and loads no
 kernel, and does not import MLX until a public name is used (so that
-:func:`qfilters_mlx.blas.enable_fast_blas` can run first).
+:func:`qfilters_mlx.blas.enable_fast_blas` can run first). It registers
+``QFiltersKVCache`` with mlx-lm's ``load_prompt_cache`` when (or, if already
+imported, as soon as) ``mlx_lm.models.cache`` is imported
+(:mod:`qfilters_mlx.prompt_cache_hook`).
 """
 
 from importlib import import_module
@@ -19,6 +22,12 @@ _EXPORTS = {
 }
 
 __all__ = [*_EXPORTS, "__version__"]
+
+# mlx-lm's load_prompt_cache must find our cache class without `import qfilters_mlx.cache`
+# (imports nothing now unless mlx_lm.models.cache already is).
+from qfilters_mlx.prompt_cache_hook import install as _install_prompt_cache_hook  # noqa: E402
+
+_install_prompt_cache_hook()
 
 
 def __getattr__(name):

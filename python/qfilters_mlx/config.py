@@ -68,9 +68,14 @@ class KVCacheConfig:
         qfilters_seed: seed of the ``random`` control arm.
         qfilters_backend: kernel backend, one of ``"auto"``, ``"reference"``,
             ``"cpp"``, ``"metal"``; resolved when a cache is built.
+        qfilters_max_rewind: tokens ``trim`` can rewind exactly after an eviction
+            (speculative decoding's rejected drafts, prompt-cache prefixes): the
+            cache keeps what its last calls overwrote or evicted (see
+            ``qfilters_mlx.cache.journal``; counted in ``nbytes``). Deeper rewinds
+            raise. ``0`` keeps nothing and makes ``is_trimmable()`` False.
 
     Raises:
-        ValueError: budget < 1 or None, n_sink < 0, recent < 0,
+        ValueError: budget < 1 or None, n_sink < 0, recent < 0, max_rewind < 0,
             ``n_sink + recent >= budget``, calib_tokens < 1, sign not +1/-1,
             unknown method or backend, head_dim < 1.
         TypeError: a field that must be an int is not one.
@@ -86,6 +91,7 @@ class KVCacheConfig:
     qfilters_seed: int = 0
     qfilters_backend: str = "auto"
     qfilters_filter_source: str = "keys"
+    qfilters_max_rewind: int = 16
     qfilters_filters: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +104,7 @@ class KVCacheConfig:
         _check_int("qfilters_recent", self.qfilters_recent, 0)
         _check_int("qfilters_calib_tokens", self.qfilters_calib_tokens, 1)
         _check_int("qfilters_seed", self.qfilters_seed, 0, 2**63 - 1)
+        _check_int("qfilters_max_rewind", self.qfilters_max_rewind, 0)
         if self.qfilters_n_sink >= self.qfilters_budget:
             raise ValueError(
                 f"qfilters_n_sink ({self.qfilters_n_sink}) must be smaller than "

@@ -18,39 +18,34 @@ Because the filter comes from a fixed set of keys and selection is a pure
 function of (scores, number of tokens fed), the kept set does not depend on how
 the input was chunked.
 
-Cost per decode step once full (per layer), in *slot mode*: the cache then
-holds ``budget + 1`` slots per (row, head), all attended to, one of which the
-next token overwrites (attention does not depend on key order; the kept set is
-the one :func:`reference.select_keep` gives, see :func:`reference.decode_select`).
-A step scores one key (``B * H_kv * D`` multiply-adds), writes its K/V row into
-the free slot (``write_slot``, in place in the cpp backend: ``2 * B * H_kv * D
-* itemsize`` bytes), and finds the next slot to free with one ``O(budget)`` scan
-of the scores per (row, head), copying the float32 scores and int64 positions
-(``12 * B * H_kv * (budget + 1)`` bytes). No K/V compaction and no sort. Any
-multi-token call, ``state``, ``kept_positions()`` or a window mask first puts
-the rows back in temporal order (one argsort + gather, ``O(budget log budget)``).
+Single-token calls after an eviction run in *slot mode* (:mod:`.slots`);
+``trim`` rewinds exactly within ``qfilters_max_rewind`` tokens (:mod:`.rewind`,
+:mod:`.journal`); ``state``, pickling and copies are in :mod:`.persistence`,
+byte counts in :mod:`.accounting`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from qfilters_mlx.backends import reference
-from qfilters_mlx.config import KVCacheConfig
 from qfilters_mlx.backends.dispatch import get_backend
+from qfilters_mlx.cache.accounting import FILTER_BYTES_PER_ELEMENT, ByteAccountingMixin
+from qfilters_mlx.cache.journal import CallRecord, RewindJournal, dropped_rows
+from qfilters_mlx.cache.persistence import PersistenceMixin
+from qfilters_mlx.cache.rewind import RewindMixin
 from qfilters_mlx.cache.scorers import insertion_scores
+from qfilters_mlx.cache.slots import SlotModeMixin
+from qfilters_mlx.config import KVCacheConfig
 
-FILTER_BYTES_PER_ELEMENT = 4  # filters are float32
+__all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache"]
 
 
-class QFiltersKVCache(_BaseCache):
+class QFiltersKVCache(SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
     """Eviction KV cache for one attention layer.
 
     Args:
@@ -101,6 +96,9 @@ class QFiltersKVCache(_BaseCache):
         # attended to; `_free [B, H]` is the slot the next token overwrites. Rows
         # are then not in temporal order; `_leave_slots` restores it.
         self._free = None
+        # Rewind journal (exact `trim` after an eviction) and the rows of the free slot.
+        self._journal = RewindJournal(0 if config.method == "full" else config.qfilters_max_rewind)
+        self._victim_rows = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -242,58 +240,6 @@ class QFiltersKVCache(_BaseCache):
         n = self._n
         self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
 
-    def _decode_step(self, keys, values):
-        """Single-token update once the cache is full: write the token into the free
-        slot (``backend.write_slot``, in place in the cpp backend), score it and pick
-        the next slot to free (``backend.decode_select_keys`` for Q-Filters: one
-        primitive in the cpp backend; ``decode_select`` of the method's score otherwise)."""
-        c = self.config
-        if self._free is None:  # enter slot mode: one spare row after the kept ones
-            n = self._n
-            spare = lambda buf: mx.concatenate([buf[:, :, :n], buf[:, :, :1]], axis=2)  # noqa: E731
-            self.keys, self.values = spare(self.keys), spare(self.values)
-            self.scores, self.positions = spare(self.scores), spare(self.positions)
-            B, H = self.keys.shape[:2]
-            self._free = mx.full((B, H), n, dtype=mx.int32)
-        free, be = self._free, self.backend
-        self.keys = be.write_slot(self.keys, keys, free)
-        self.values = be.write_slot(self.values, values, free)
-        if self.method == "qfilters":  # score + bookkeeping in one op (cpp)
-            self.scores, self.positions, self._free = be.decode_select_keys(
-                self.scores, self.positions, keys, self.filter, free, self.offset,
-                c.score_sign, c.qfilters_n_sink, c.protected_recent,
-            )
-        else:
-            pos = None
-            if self.method in ("random", "streaming_llm"):
-                pos = mx.full((*keys.shape[:2], 1), self.offset, dtype=mx.int64)
-            new_scores = insertion_scores(
-                c.method, keys, pos, filters=self.filter, sign=c.score_sign,
-                seed=c.qfilters_seed, layer=self.layer_idx, backend=be, finite=False,
-            )
-            self.scores, self.positions, self._free = be.decode_select(
-                self.scores, self.positions, new_scores, free, self.offset,
-                c.qfilters_n_sink, c.protected_recent,
-            )
-        self.offset += 1
-        return self.keys, self.values
-
-    def _leave_slots(self) -> None:
-        """Back from slot mode to ``budget`` rows in temporal order (drops the free slot)."""
-        if self._free is None:
-            return
-        S = self.keys.shape[2]
-        slot = mx.arange(S, dtype=mx.int32)[None, None, :]
-        big = mx.array(2**62, dtype=mx.int64)
-        key = mx.where(slot == self._free[:, :, None], big, self.positions)
-        order = mx.argsort(key, axis=2)[:, :, : S - 1]
-        take = lambda buf: mx.take_along_axis(  # noqa: E731
-            buf, order[..., None] if buf.ndim == 4 else order, axis=2)
-        self.keys, self.values = take(self.keys), take(self.values)
-        self.scores, self.positions = take(self.scores), take(self.positions)
-        self._free = None
-        self._n = S - 1
-
     def _evict(self) -> None:
         c = self.config
         n = self._n
@@ -301,12 +247,16 @@ class QFiltersKVCache(_BaseCache):
             self.scores[:, :, :n], self.keys[:, :, :n], self.values[:, :, :n],
             c.qfilters_budget, c.qfilters_n_sink, c.protected_recent,
         )
+        record = self._journal.last() if self._journal.active else None
+        if isinstance(record, CallRecord) and record.dropped is None:  # this call's record
+            live = (self.keys, self.values, self.scores, self.positions)
+            record.dropped = dropped_rows(kept, tuple(a[:, :, :n] for a in live))
         self.scores = mx.take_along_axis(self.scores[:, :, :n], kept, axis=2)
         self.positions = mx.take_along_axis(self.positions[:, :, :n], kept, axis=2)
         self.keys, self.values = k, v
         self._n = kept.shape[2]
         self.evicted = True
-        self._queries = None  # no trim after an eviction: calibration is final
+        self._queries = None  # calibration is final (a rewind restores them from the journal)
 
     # ------------------------------------------------------------ cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -325,10 +275,19 @@ class QFiltersKVCache(_BaseCache):
             raised before any state changes.
         """
         self._validate(keys, values)
+        return self._update(keys, values)
+
+    def _update(self, keys, values):
+        """``update_and_fetch`` after validation (also re-applies calls on a rewind)."""
         L = keys.shape[2]
         if L == 1 and self.evicted:
             return self._decode_step(keys, values)
-        self._leave_slots()
+        record = CallRecord(tokens=L, offset=self.offset, n=self._n, evicted=self.evicted,
+                            filter=self.filter, queries=self._queries,
+                            capacity=0 if self.keys is None else self.keys.shape[2])
+        record.slots = self._leave_slots()
+        if self._journal.active:
+            self._journal.push(record)
         self._append(keys, values)
         self.offset += L
         if (not self.scoring_ready and not self._calibrates_from_queries
@@ -357,6 +316,7 @@ class QFiltersKVCache(_BaseCache):
             return
         if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
             raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
+        self._note_observed(queries)
         B, H = self.keys.shape[:2]
         if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != self.keys.shape[3]
                 or queries.shape[2] > self.offset):
@@ -381,172 +341,29 @@ class QFiltersKVCache(_BaseCache):
     def empty(self) -> bool:
         return self.keys is None
 
-    @property
-    def state(self):
-        """``(keys, values, scores, positions, filter, queries, meta)``: the live rows
-        in temporal order, the first queries kept for query-based calibration (until the
-        first eviction) and a JSON string.
-
-        ``meta`` carries the configuration and the scalar attributes (offset,
-        layer index, eviction flag) so that mlx-lm's ``save_prompt_cache`` /
-        ``load_prompt_cache`` round-trip the cache exactly (the class is
-        registered in ``mlx_lm.models.cache`` for ``load_prompt_cache``).
-        Arrays are ``None`` while the cache is empty.
-        """
-        self._leave_slots()
-        n = self._n
-        live = (lambda a: None if a is None else a[:, :, :n])  # noqa: E731
-        cfg = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        if not isinstance(cfg["qfilters_filters"], str):
-            cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
-        meta = {
-            "config": cfg,
-            "filter_fixed": self.filter_fixed,
-            "offset": str(self.offset),  # a string: exact beyond 2**31
-            "layer_idx": self.layer_idx,
-            "evicted": self.evicted,
-        }
-        return (live(self.keys), live(self.values), live(self.scores), live(self.positions),
-                self.filter, self._queries, json.dumps(meta))
-
-    @state.setter
-    def state(self, v):
-        # Parse and check everything before touching the cache.
-        if not isinstance(v, (tuple, list)) or len(v) != 7:
-            raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta)")
-        keys, values, scores, positions, filt, queries, meta = v
-        try:
-            meta = json.loads(meta)
-            config = KVCacheConfig(**meta["config"])
-            scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
-                       bool(meta["filter_fixed"]))
-        except (TypeError, ValueError, KeyError) as err:
-            raise ValueError(f"state: bad meta ({err})") from err
-        arrays = (keys, values, scores, positions)
-        if any(a is None for a in arrays) and not all(a is None for a in arrays):
-            raise ValueError("state: keys, values, scores and positions must all be set or all None")
-        if keys is not None:
-            n = keys.shape[2]
-            if (keys.ndim != 4 or values.shape[:3] != keys.shape[:3] or scores.shape != keys.shape[:3]
-                    or positions.shape != keys.shape[:3] or scalars[1] < n):
-                raise ValueError("state: keys/values/scores/positions shapes disagree with each other "
-                                 "or with the offset")
-        backend = get_backend(config.qfilters_backend)
-        self._free = None
-        self.config, self.backend = config, backend
-        self.layer_idx, self.offset, self.evicted, self.filter_fixed = scalars
-        self.queries_observed = False
-        self._queries = queries
-        self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
-        self.filter = filt
-        self._n = 0 if keys is None else keys.shape[2]
-
-    def is_trimmable(self) -> bool:
-        """True until the first eviction (after it, removed tokens cannot be restored)."""
-        return not self.evicted
-
-    def trim(self, n: int) -> int:
-        """Remove the newest ``n`` tokens (before any eviction only).
-
-        Returns the number removed (0 after an eviction; never negative). If the
-        trim reaches back into the calibration keys, the filter is dropped and
-        re-estimated once ``calib_tokens`` tokens are present again.
-        """
-        if self.evicted:
-            return 0
-        n = max(0, min(int(n), self._n))
-        self._n -= n
-        self.offset -= n
-        if self._needs_filter and self.offset < self.config.qfilters_calib_tokens:
-            self.filter = None
-        if self._queries is not None:
-            self._queries = self._queries[:, :, : self.offset]
-        return n
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """Attention mask for ``N`` new queries over the ``size() + N`` keys returned next.
-
-        Stored tokens all precede the new ones, so the causal mask is
-        bottom-right aligned: ``"causal"`` (``None`` for ``N == 1``: nothing to
-        mask), or a boolean ``[N, size() + N]`` array when ``return_array``
-        (also for ``N == 1``). With
-        ``window_size`` the mask is built from absolute positions, which is
-        possible while every head stores the same positions (before any
-        eviction, and always for ``streaming_llm``/``full``).
-
-        Raises:
-            ValueError: ``window_size`` after a per-head eviction.
-        """
-        S = self._n
-        if window_size is None:
-            if return_array:
-                return create_causal_mask(N, S)
-            return None if N == 1 else "causal"
-        if not self.evicted:
-            return create_causal_mask(N, S, window_size=window_size)
-        self._leave_slots()
-        if self.method not in ("streaming_llm", "full"):
-            raise ValueError(
-                "window_size masks are not supported after per-head eviction "
-                f"(method={self.method!r}); use the model's own cache for sliding-window layers"
-            )
-        q = self.offset + mx.arange(N)[:, None]
-        k = mx.concatenate([self.positions[0, 0, :S], self.offset + mx.arange(N)])[None]
-        return (k <= q) & (k > q - window_size)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every array the cache holds (buffers at capacity, scores, positions, filter)."""
-        arrays = [self.keys, self.values, self.scores, self.positions, self.filter]
-        return sum(a.nbytes for a in arrays if a is not None)
-
-    # --------------------------------------------------------- byte accounting
-    @property
-    def tokens_seen(self) -> int:
-        """Tokens fed so far (equals ``offset``)."""
-        return self.offset
-
-    @property
-    def tokens_kept(self) -> int:
-        """Tokens stored per (batch row, KV head)."""
-        return self._n
-
-    def _kv_bytes(self, tokens: int) -> int:
-        if self.keys is None:
-            return 0
-        B, H, _, Dk = self.keys.shape
-        Dv = self.values.shape[3]
-        return B * H * tokens * (Dk * self.keys.dtype.size + Dv * self.values.dtype.size)
-
-    @property
-    def full_seq_bytes(self) -> int:
-        """K/V bytes a full cache would hold for ``tokens_seen`` tokens."""
-        return self._kv_bytes(self.offset)
-
-    @property
-    def qfilters_kept_bytes(self) -> int:
-        """Bytes the method needs: kept K/V, their float32 scores (when ranked by
-        score) and the frozen filter in full (``H_kv * D * 4`` bytes)."""
-        if self.keys is None:
-            return 0
-        B, H = self.keys.shape[:2]
-        total = self._kv_bytes(self._n)
-        if self.method in ("qfilters", "l2norm", "random"):
-            total += B * H * self._n * 4
-        if self.filter is not None:
-            total += self.filter.size * FILTER_BYTES_PER_ELEMENT
-        return total
-
-    @property
-    def compression_ratio(self) -> float:
-        """``full_seq_bytes / qfilters_kept_bytes`` (1.0 when empty)."""
-        kept = self.qfilters_kept_bytes
-        return self.full_seq_bytes / kept if kept else 1.0
-
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
-        self._leave_slots()
+        self._to_temporal()
         return self.positions[:, :, : self._n]
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """Refused: mlx-lm calls this for ``kv_bits`` / ``--kv-bits`` (``maybe_quantize_kv_cache``).
+
+        Raises:
+            ValueError: always; quantized storage of the kept keys/values does not
+                exist yet, and skipping quantization silently would break the promise.
+        """
+        raise ValueError(
+            f"kv_bits={bits} (KV-cache quantization) is not supported by QFiltersKVCache: "
+            "the kept keys/values are stored unquantized (quantized storage is not "
+            "implemented yet); run without kv_bits / --kv-bits"
+        )
+
+    def _note_observed(self, queries) -> None:
+        """Keep this call's queries in its journal record (re-applied on a partial rewind)."""
+        record = self._journal.last() if self._journal.active else None
+        if isinstance(record, CallRecord) and record.offset + record.tokens == self.offset:
+            record.observed = queries
 
 
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module:

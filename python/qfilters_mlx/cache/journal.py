@@ -1,0 +1,186 @@
+"""Rewind journal: exact ``trim`` of the newest tokens after an eviction.
+
+mlx-lm rewinds rejected draft tokens with ``trim(n)`` (speculative decoding) and
+trims fetched prompt caches to a shared prefix (``LRUPromptCache``). Before the
+first eviction every row is still stored and ``trim`` just drops rows. After
+it, each call may have overwritten or evicted rows, so the cache keeps, for its
+last calls covering at least ``qfilters_max_rewind`` tokens, one record per call
+that undoes it exactly (:class:`CallRecord`, :class:`StepRecord`). A rewind of
+``n`` tokens undoes whole records, newest first, and when ``n`` ends inside a
+multi-token call it re-applies that call's first tokens (kept in the record)
+through the same code path, so the result is bit-identical to a cache that
+never saw the rewound tokens: keys, values, scores, positions, slot layout,
+``offset``, ``kept_positions()`` and the next outputs.
+
+What a record holds (``B, H = batch, KV heads``; bytes are counted in ``nbytes``):
+
+* a slot-mode decode step (:class:`StepRecord`): the slot it wrote, ``[B, H]``
+  int32, and the rows that slot held before (the previous step's victim: K/V
+  ``[B, H, 1, D]``, score ``[B, H, 1]`` float32, position ``[B, H, 1]`` int64):
+  ``B H (4 + (D_k + D_v) itemsize + 12)`` bytes per step and layer. The rows
+  are gathered when the victim is chosen and evaluated with the step's outputs
+  (``mx.depends``), so the next in-place ``write_slot`` still reuses the buffer
+  (no copy of the whole buffer per step). The step that enters slot mode keeps
+  the scores/positions before it instead (``12 B H budget`` bytes).
+* a multi-token call (:class:`CallRecord`): the rows its eviction dropped
+  (``[B, H, E, *]``, ``E`` = rows before + ``L`` - budget; with the rows kept
+  they hold the call's own tokens, re-applied on a partial rewind), the slot
+  layout it left (the temporal order ``[B, H, S-1]``, the free slot ``[B, H]``
+  and that slot's rows) and the scalars before it (offset, rows, eviction flag,
+  filter, first queries; the queries it was observed with while the filter is
+  estimated from queries).
+
+A rewind deeper than the journal raises ``ValueError`` before changing
+anything. Saved prompt caches do not carry the journal: a reloaded cache
+rewinds only what it has seen since it was loaded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+_BIG = 2**62
+
+
+@dataclass
+class StepRecord:
+    """Undo data of one slot-mode decode step (see module docstring)."""
+
+    free: mx.array | None  # [B, H] slot written; None: the step entered slot mode
+    rows: tuple | None  # (k, v, score, pos) the slot held; None: dead content
+    n: int  # live rows before the step
+    scores: mx.array | None = None  # [B, H, n] float32 before a step entering slot mode
+    positions: mx.array | None = None  # [B, H, n] int64 before a step entering slot mode
+    tokens: int = 1
+
+
+@dataclass
+class CallRecord:
+    """Undo data of one multi-token call (see module docstring)."""
+
+    tokens: int
+    offset: int
+    n: int
+    evicted: bool
+    filter: mx.array | None
+    queries: mx.array | None  # the cache's first queries before the call
+    slots: tuple | None = None  # (order [B,H,S-1], free [B,H], free-slot rows) if it left slot mode
+    dropped: tuple | None = None  # (k, v, score, pos) rows the eviction dropped
+    observed: mx.array | None = None  # queries observed for this call (re-apply)
+    capacity: int = 0  # buffer rows before the call (restored before the first eviction)
+
+
+@dataclass
+class LayoutRecord:
+    """Undo data of a switch from slot mode to temporal order outside a call
+    (``kept_positions()``, window masks): the slot layout left."""
+
+    slots: tuple  # (order [B,H,S-1], free [B,H], free-slot rows)
+    tokens: int = 0
+
+
+def _nbytes(x) -> int:
+    if x is None:
+        return 0
+    if isinstance(x, (tuple, list)):
+        return sum(_nbytes(a) for a in x)
+    return x.nbytes if isinstance(x, mx.array) else 0
+
+
+class RewindJournal:
+    """The records of the newest calls covering at least ``depth`` tokens."""
+
+    def __init__(self, depth: int):
+        self.depth = int(depth)
+        self.records: deque = deque()
+        self.tokens = 0  # tokens covered by the records
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+    @property
+    def rewindable(self) -> int:
+        """Tokens a rewind may remove after an eviction: ``min(depth, tokens journaled)``."""
+        return min(self.depth, self.tokens)
+
+    def push(self, record) -> None:
+        self.records.append(record)
+        self.tokens += record.tokens
+        while len(self.records) > 1 and self.tokens - self.records[0].tokens >= self.depth:
+            self.tokens -= self.records.popleft().tokens
+
+    def pop(self):
+        rec = self.records.pop()
+        self.tokens -= rec.tokens
+        return rec
+
+    def last(self):
+        return self.records[-1] if self.records else None
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.tokens = 0
+
+    def drop_tail(self, n: int) -> None:
+        """Forget the newest ``n`` tokens (a plain trim before any eviction)."""
+        while n > 0 and self.records:
+            rec = self.records[-1]
+            if rec.tokens <= n:  # (a LayoutRecord only exists after an eviction)
+                n -= self.pop().tokens
+                continue
+            keep = rec.tokens - n
+            if rec.observed is not None:
+                rec.observed = rec.observed[:, :, :keep]
+            rec.tokens, self.tokens, n = keep, self.tokens - n, 0
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for r in self.records:
+            if isinstance(r, StepRecord):
+                total += _nbytes((r.free, r.rows, r.scores, r.positions))
+            elif isinstance(r, LayoutRecord):
+                total += _nbytes(r.slots)
+            else:
+                total += _nbytes((r.slots, r.dropped, r.observed))
+        return total
+
+
+def dropped_rows(kept: mx.array, arrays: tuple) -> tuple:
+    """The rows of ``arrays`` (each ``[B, H, n, ...]``) not listed in ``kept [B, H, K]``,
+    ascending: ``[B, H, n - K, ...]`` (the rows an eviction drops)."""
+    B, H, n = arrays[2].shape
+    K = kept.shape[2]
+    is_kept = mx.put_along_axis(mx.zeros((B, H, n), mx.int32), kept.astype(mx.int32),
+                                mx.array(n, mx.int32), axis=2)
+    order = mx.argsort(mx.arange(n, dtype=mx.int32)[None, None] + is_kept, axis=2)[:, :, : n - K]
+    return tuple(mx.take_along_axis(a, order[..., None] if a.ndim == 4 else order, axis=2)
+                 for a in arrays)
+
+
+def rows_between(arrays: tuple, lo: int, hi: int, n: int) -> tuple:
+    """The ``n`` rows per (batch row, head) with ``lo <= position < hi``, in temporal
+    order, from ``arrays = (keys, values, scores, positions)`` (each head holds
+    exactly ``n`` such rows)."""
+    pos = arrays[3]
+    key = mx.where((pos >= lo) & (pos < hi), pos, mx.array(_BIG, mx.int64))
+    order = mx.argsort(key, axis=2)[:, :, :n]
+    return tuple(mx.take_along_axis(a, order[..., None] if a.ndim == 4 else order, axis=2)
+                 for a in arrays)
+
+
+def to_slots(arrays: tuple, order: mx.array) -> tuple:
+    """Put temporal rows (``[B, H, S-1, ...]``) back into the slot layout they were
+    taken from (``order [B, H, S-1]``: the slot of each row). The one slot not in
+    ``order`` is the free slot, whose content is never read (zeros)."""
+    out = []
+    for a in arrays:
+        B, H, n = a.shape[:3]
+        buf = mx.zeros((B, H, n + 1, *a.shape[3:]), a.dtype)
+        idx = order.astype(mx.int32)
+        out.append(mx.put_along_axis(buf, idx[..., None] if a.ndim == 4 else idx, a, axis=2))
+    return tuple(out)

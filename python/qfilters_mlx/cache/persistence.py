@@ -1,0 +1,111 @@
+"""Saving, loading and copying ``QFiltersKVCache`` (mixin).
+
+* ``state`` / ``from_state``: what mlx-lm's ``save_prompt_cache`` /
+  ``load_prompt_cache`` store; a cache saved in the middle of a decode (slot
+  mode) reloads in the same slot layout, so it continues bit for bit like an
+  uninterrupted run. The rewind journal is not saved: a reloaded cache can
+  rewind only what it has seen since (a deeper ``trim`` raises).
+* pickling and ``copy.deepcopy``: the resolved kernel backend (a table of
+  compiled functions, not picklable) is stored by name and resolved again;
+  everything else (arrays, journal) is copied, so copies are independent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import mlx.core as mx
+
+from qfilters_mlx.backends.dispatch import get_backend
+from qfilters_mlx.cache.journal import RewindJournal, to_slots
+from qfilters_mlx.config import KVCacheConfig
+
+
+class PersistenceMixin:
+    """``state`` (getter/setter), ``__getstate__`` / ``__setstate__``."""
+
+    @property
+    def state(self):
+        """``(keys, values, scores, positions, filter, queries, meta)``: the live rows
+        in temporal order (``[B, H_kv, size(), D]``, scores float32 and positions
+        int64 ``[B, H_kv, size()]``), the ``[H_kv, D]`` filter, the first queries kept
+        for query-based calibration (until the first eviction) and a JSON string.
+
+        ``meta`` carries the configuration, the scalar attributes (offset as a
+        string: exact beyond 2**31, layer index, eviction flag) and, in slot mode,
+        the slot of every row and the free slot (``"slots"``), so that mlx-lm's
+        ``save_prompt_cache`` / ``load_prompt_cache`` round-trip the cache exactly.
+        Arrays are ``None`` while the cache is empty. Reading it changes nothing.
+        """
+        keys, values, scores, positions = self._temporal()
+        cfg = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        if not isinstance(cfg["qfilters_filters"], str):
+            cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
+        meta = {
+            "config": cfg,
+            "filter_fixed": self.filter_fixed,
+            "offset": str(self.offset),
+            "layer_idx": self.layer_idx,
+            "evicted": self.evicted,
+        }
+        if self._free is not None:
+            meta["slots"] = {"order": self._slot_order().tolist(), "free": self._free.tolist()}
+        return (keys, values, scores, positions, self.filter, self._queries, json.dumps(meta))
+
+    @state.setter
+    def state(self, v):
+        # Parse and check everything before touching the cache.
+        if not isinstance(v, (tuple, list)) or len(v) != 7:
+            raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta)")
+        keys, values, scores, positions, filt, queries, meta = v
+        try:
+            meta = json.loads(meta)
+            config = KVCacheConfig(**meta["config"])
+            scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
+                       bool(meta["filter_fixed"]))
+            slots = meta.get("slots")
+            if slots is not None:
+                order = mx.array(slots["order"], dtype=mx.int32)
+                free = mx.array(slots["free"], dtype=mx.int32)
+        except (TypeError, ValueError, KeyError) as err:
+            raise ValueError(f"state: bad meta ({err})") from err
+        arrays = (keys, values, scores, positions)
+        if any(a is None for a in arrays) and not all(a is None for a in arrays):
+            raise ValueError("state: keys, values, scores and positions must all be set or all None")
+        if keys is not None:
+            n = keys.shape[2]
+            if (keys.ndim != 4 or values.shape[:3] != keys.shape[:3] or scores.shape != keys.shape[:3]
+                    or positions.shape != keys.shape[:3] or scalars[1] < n):
+                raise ValueError("state: keys/values/scores/positions shapes disagree with each other "
+                                 "or with the offset")
+        if slots is not None and (keys is None or order.shape != keys.shape[:3]
+                                  or free.shape != keys.shape[:2]):
+            raise ValueError("state: meta 'slots' does not match the rows")
+        backend = get_backend(config.qfilters_backend)
+        self._free = None
+        self._victim_rows = None
+        self._journal = RewindJournal(0 if config.method == "full" else config.qfilters_max_rewind)
+        self.config, self.backend = config, backend
+        self.layer_idx, self.offset, self.evicted, self.filter_fixed = scalars
+        self.queries_observed = False
+        self._queries = queries
+        self._n = 0 if keys is None else keys.shape[2]
+        if slots is not None:
+            keys, values, scores, positions = to_slots(arrays, order)
+            self._free = free
+        self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
+        self.filter = filt
+
+    # ------------------------------------------------------------- copies
+    def __getstate__(self) -> dict:
+        """Everything but the resolved backend, which is stored by name."""
+        d = dict(self.__dict__)
+        d["backend"] = self.backend.name
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        d = dict(d)
+        name = d["backend"]
+        d["backend"] = get_backend(name if name in ("reference", "cpp") else "metal")
+        self.__dict__.update(d)
