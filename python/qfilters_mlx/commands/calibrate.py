@@ -8,7 +8,7 @@ from pathlib import Path
 
 from qfilters_mlx.commands.model_path import resolve_model
 
-__all__ = ["add_parser", "encode_quietly", "run"]
+__all__ = ["add_parser", "encode_quietly", "progress_chunks", "run"]
 
 DEFAULT_CALIB_TEXT_TOKENS = 4096
 DEFAULT_CALIB_SAMPLES = 4096
@@ -57,7 +57,7 @@ def encode_quietly(tokenizer, text: str) -> list[int]:
         hf_logging.set_verbosity(before)
 
 
-def _with_progress(chunks: list, stream=None):
+def progress_chunks(chunks: list, stream=None):
     """Yield ``chunks``, printing ``Calibrating: n/N tokens (tok/s)`` on stderr as each is done."""
     stream = stream or sys.stderr
     total = sum(len(c) for c in chunks)
@@ -97,7 +97,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
         parser.error("--text: too little text")
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
     tic = time.perf_counter()
-    filters = calibrate_filters(model, _with_progress(chunks), samples=args.samples)
+    filters = calibrate_filters(model, progress_chunks(chunks), samples=args.samples)
     save_filters(args.out, filters, model, calibration_text=source, calibration_tokens=len(ids),
                  samples_per_head=args.samples, model_path=str(model_path))
     print(f"Wrote {args.out}: filters {tuple(filters.shape)} from {len(ids)} tokens of {source} "
