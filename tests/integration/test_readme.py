@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -23,8 +24,10 @@ MAX_TOKENS = 24
 
 
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(encoding="utf-8"),
-                      re.MULTILINE | re.DOTALL)
+    """The fenced blocks of ``language`` (indented ones inside list items too, dedented)."""
+    found = re.findall(rf"^( *)```{language}\n(.*?)^\1```", README.read_text(encoding="utf-8"),
+                       re.MULTILINE | re.DOTALL)
+    return [textwrap.dedent(body) for _, body in found]
 
 
 def commands() -> list[list[str]]:
