@@ -9,10 +9,10 @@ from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.backends.dispatch import get_backend
 
 
-def make(method="qfilters", budget=16, n_sink=2, recent=4, calib=8, sign=1, **kw):
+def make(method="qfilters", budget=16, n_sink=2, recent=4, calib=8, sign=1, source="keys", **kw):
     cfg = KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=n_sink,
                         qfilters_recent=recent, qfilters_calib_tokens=calib, qfilters_sign=sign,
-                        qfilters_backend="reference", **kw)
+                        qfilters_filter_source=source, qfilters_backend="reference", **kw)
     return QFiltersKVCache(cfg)
 
 

@@ -36,20 +36,20 @@ def test_invalid_configs_raise_naming_the_field(kwargs, field):
 
 def test_wrong_types_raise_type_error():
     with pytest.raises(TypeError, match="qfilters_budget"):
-        KVCacheConfig(qfilters_budget="512")
+        KVCacheConfig(qfilters_budget="512", qfilters_recent=0, qfilters_filter_source="keys")
     with pytest.raises(TypeError, match="qfilters_recent"):
-        KVCacheConfig(qfilters_recent=2.0)
+        KVCacheConfig(qfilters_recent=2.0, qfilters_filter_source="keys")
 
 
 def test_streaming_llm_window_is_budget_minus_sinks():
     cfg = KVCacheConfig(method="streaming_llm", qfilters_budget=64, qfilters_n_sink=4, qfilters_recent=100)
     assert cfg.protected_recent == 60
-    assert KVCacheConfig(qfilters_budget=64, qfilters_recent=16).protected_recent == 16
+    assert KVCacheConfig(qfilters_budget=64, qfilters_recent=16, qfilters_filter_source="keys").protected_recent == 16
 
 
 def test_unavailable_backend_raises_at_construction():
     with pytest.raises(ValueError, match="metal"):
-        QFiltersKVCache(KVCacheConfig(qfilters_backend="metal"))
+        QFiltersKVCache(KVCacheConfig(qfilters_backend="metal", qfilters_recent=0, qfilters_filter_source="keys"))
 
 
 def tiny_llama(n_kv_heads=2, head_dim=None, layers=2, heads=4, hidden=64):
@@ -67,7 +67,7 @@ def tiny_llama(n_kv_heads=2, head_dim=None, layers=2, heads=4, hidden=64):
 def test_seed_usage_works_as_written():
     model = tiny_llama(head_dim=16)
     config = KVCacheConfig(method="qfilters", head_dim=16, qfilters_budget=32, qfilters_n_sink=4,
-                           qfilters_recent=0, qfilters_calib_tokens=16, qfilters_sign=1)
+                           qfilters_recent=0, qfilters_calib_tokens=16, qfilters_sign=1, qfilters_filter_source="keys")
     caches = KVCacheBuilder.for_model(model, config)
     model.make_cache = lambda *_a, **_k: caches
     assert len(caches) == 2 and all(isinstance(c, QFiltersKVCache) for c in caches)
@@ -93,17 +93,17 @@ def test_seed_usage_works_as_written():
 
 def test_head_dim_checked_and_inferred():
     model = tiny_llama(head_dim=None, hidden=64, heads=4)  # args lack head_dim -> 64 // 4
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_recent=0, qfilters_filter_source="keys"))
     assert caches[0].config.head_dim == 16
     with pytest.raises(ValueError, match="head_dim"):
-        KVCacheBuilder.for_model(model, KVCacheConfig(head_dim=128))
+        KVCacheBuilder.for_model(model, KVCacheConfig(head_dim=128, qfilters_recent=0, qfilters_filter_source="keys"))
     with pytest.raises(TypeError, match="config"):
         KVCacheBuilder.for_model(model, {"method": "qfilters"})
 
 
 def test_gqa_32_query_heads_over_8_kv_heads():
     model = tiny_llama(n_kv_heads=8, heads=32, hidden=512, layers=1)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_calib_tokens=8))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_calib_tokens=8, qfilters_recent=0, qfilters_filter_source="keys"))
     model(mx.array([list(range(40))]), cache=caches)
     c = caches[0]
     assert c.filter.shape == (8, 16) and c.keys.shape[1] == 8 and c.size() == 16
@@ -122,7 +122,7 @@ def test_non_attention_layers_keep_model_cache():
                                  sliding_window_pattern=2)
     m = gemma3_text.Model(args)
     m.make_cache = lambda *_a, **_k: ["stale"]  # a previous override is ignored
-    caches = KVCacheBuilder.for_model(m, KVCacheConfig(qfilters_budget=16))
+    caches = KVCacheBuilder.for_model(m, KVCacheConfig(qfilters_budget=16, qfilters_recent=0, qfilters_filter_source="keys"))
     assert type(caches[0]) is RotatingKVCache and type(caches[2]) is RotatingKVCache
     assert isinstance(caches[1], QFiltersKVCache) and caches[1].layer_idx == 1
     assert "partial" in repr(caches) and "RotatingKVCache at 0, 2" in repr(caches)
@@ -134,7 +134,7 @@ def test_logits_equal_plain_kvcache_when_budget_covers_sequence(method):
     tokens = mx.array([[(7 * i) % 97 for i in range(48)]])
     ref_cache = [KVCache() for _ in model.layers]
     ours = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, qfilters_budget=64,
-                                                         qfilters_calib_tokens=8))
+                                                         qfilters_calib_tokens=8, qfilters_recent=0, qfilters_filter_source="keys"))
     for start, L in [(0, 20), (20, 1), (21, 7), (28, 20)]:
         chunk = tokens[:, start:start + L]
         want = model(chunk, cache=ref_cache)
@@ -145,15 +145,15 @@ def test_logits_equal_plain_kvcache_when_budget_covers_sequence(method):
 
 def test_budget_beyond_int32_and_bad_filters_rejected():
     with pytest.raises(ValueError, match="qfilters_budget"):
-        KVCacheConfig(qfilters_budget=2**31)
+        KVCacheConfig(qfilters_budget=2**31, qfilters_recent=0, qfilters_filter_source="keys")
     model = tiny_llama(head_dim=16)
     with pytest.raises(TypeError, match="floating"):
-        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 2, 16), np.int32)))
+        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 2, 16), np.int32), qfilters_recent=0))
     with pytest.raises(ValueError, match="shape"):
-        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 2, 8), np.float32)))
+        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 2, 8), np.float32), qfilters_recent=0))
     with pytest.raises(ValueError, match="qfilters_filters"):
         KVCacheConfig(qfilters_filters=[1.0, 2.0])
-    c = QFiltersKVCache(KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1), filters=mx.zeros((2, 16)))
+    c = QFiltersKVCache(KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_recent=0, qfilters_filter_source="keys"), filters=mx.zeros((2, 16)))
     k = mx.zeros((1, 3, 4, 16))  # 3 heads: the filters have 2
     with pytest.raises(ValueError, match="filters shape"):
         c.update_and_fetch(k, k)
@@ -166,8 +166,8 @@ def test_batching_is_refused_with_a_clear_error_never_a_plain_cache():
     from mlx_lm.generate import _merge_caches
 
     model = tiny_llama(head_dim=16)
-    a = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16))
-    b = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16))
+    a = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_recent=0, qfilters_filter_source="keys"))
+    b = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_recent=0, qfilters_filter_source="keys"))
     for caches in (a, b):
         model(mx.array([list(range(50))]), cache=caches)
     assert not hasattr(a[0], "merge")
@@ -179,11 +179,11 @@ def test_install_builds_fresh_caches_for_every_generation():
     from mlx_lm.generate import generate_step
 
     model = tiny_llama(head_dim=16)
-    KVCacheBuilder.install(model, KVCacheConfig(qfilters_budget=16, qfilters_calib_tokens=8))
+    KVCacheBuilder.install(model, KVCacheConfig(qfilters_budget=16, qfilters_calib_tokens=8, qfilters_recent=0, qfilters_filter_source="keys"))
     first, second = model.make_cache(), model.make_cache()
     assert first[0] is not second[0] and first[0].offset == 0
     prompt = mx.array(list(range(40)))
     runs = [[int(t) for t, _ in generate_step(prompt, model, max_tokens=10)] for _ in range(2)]
     assert runs[0] == runs[1]
     with pytest.raises(ValueError, match="head_dim"):
-        KVCacheBuilder.install(model, KVCacheConfig(head_dim=64))
+        KVCacheBuilder.install(model, KVCacheConfig(head_dim=64, qfilters_recent=0, qfilters_filter_source="keys"))

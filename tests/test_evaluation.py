@@ -105,7 +105,7 @@ def test_batched_nll_equals_each_arm_alone(model, budgets):
     arms = [("qfilters", 1, 0), ("qfilters", -1, 4), ("l2norm", 1, 2), ("random", 1, 3),
             ("streaming_llm", 1, 0)]
     configs = [KVCacheConfig(method=m, head_dim=16, qfilters_budget=b, qfilters_n_sink=2,
-                             qfilters_recent=r, qfilters_calib_tokens=12, qfilters_sign=s, qfilters_seed=7)
+                             qfilters_recent=r, qfilters_calib_tokens=12, qfilters_sign=s, qfilters_seed=7, qfilters_filter_source="keys")
                for (m, s, r), b in zip(arms, budgets)]
     rows = [caches_for(model, c) for c in configs]
     batched = batched_streaming_nll(model, TOKENS, rows, prefix=12)
@@ -134,7 +134,7 @@ def test_full_cache_nll_equals_one_forward_pass(model):
 def test_batched_greedy_rows_equal_alone(model):
     prompt = TOKENS[:50]
     configs = [KVCacheConfig(method=m, head_dim=16, qfilters_budget=b, qfilters_n_sink=2,
-                             qfilters_recent=4, qfilters_calib_tokens=8)
+                             qfilters_recent=4, qfilters_calib_tokens=8, qfilters_filter_source="keys")
                for m, b in [("l2norm", 16), ("streaming_llm", 24), ("qfilters", 20)]]
     got = batched_greedy(model, prompt, [caches_for(model, c) for c in configs], 6, chunk=8)
     for c, g in zip(configs, got):

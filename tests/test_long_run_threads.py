@@ -27,7 +27,7 @@ def decode(caches, steps, seed=0, H=2, D=16, probe=None):
 def test_20000_decode_steps_memory_flat(method):
     budget = 64
     cfg = KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=4,
-                        qfilters_recent=16, qfilters_calib_tokens=32)
+                        qfilters_recent=16, qfilters_calib_tokens=32, qfilters_filter_source="keys")
     caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(4)]
     steps = 20_000 if method == "qfilters" else 3_000
     mem = {}
@@ -49,7 +49,7 @@ def test_20000_decode_steps_memory_flat(method):
 
 
 def test_worker_threads_match_single_thread():
-    cfg = KVCacheConfig(qfilters_budget=24, qfilters_n_sink=2, qfilters_recent=4, qfilters_calib_tokens=16)
+    cfg = KVCacheConfig(qfilters_budget=24, qfilters_n_sink=2, qfilters_recent=4, qfilters_calib_tokens=16, qfilters_filter_source="keys")
     expected = {}
     for seed in (1, 2):
         c = QFiltersKVCache(cfg)
@@ -87,7 +87,7 @@ def test_nonfinite_keys_rank_lowest():
     k[0, 0, 14, 3] = -np.inf
     for method in ("qfilters", "l2norm"):
         cfg = KVCacheConfig(method=method, qfilters_budget=20, qfilters_n_sink=1,
-                            qfilters_calib_tokens=8, qfilters_backend="reference")
+                            qfilters_calib_tokens=8, qfilters_backend="reference", qfilters_recent=0, qfilters_filter_source="keys")
         c = QFiltersKVCache(cfg)
         c.update_and_fetch(mx.array(k), mx.array(k))
         kept = set(np.array(c.kept_positions())[0, 0].tolist())

@@ -31,7 +31,7 @@ def test_round_trip_after_eviction(tmp_path, method, dtype):
     v = mx.array(rng.standard_normal((1, 2, 110, 16)).astype(np.float32)).astype(dtype)
     caches = [QFiltersKVCache(KVCacheConfig(method=method, qfilters_budget=32, qfilters_n_sink=2,
                                             qfilters_recent=4, qfilters_calib_tokens=20,
-                                            qfilters_backend="reference"), layer_idx=i)
+                                            qfilters_backend="reference", qfilters_filter_source="keys"), layer_idx=i)
               for i in range(2)]
     for c in caches:
         c.update_and_fetch(k[:, :, :100], v[:, :, :100])
@@ -60,7 +60,7 @@ def test_round_trip_after_eviction(tmp_path, method, dtype):
 
 def test_round_trip_offset_beyond_int32_and_empty_cache(tmp_path):
     cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_calib_tokens=4,
-                        qfilters_backend="reference")
+                        qfilters_backend="reference", qfilters_recent=0, qfilters_filter_source="keys")
     big = QFiltersKVCache(cfg)
     big.offset = 2**31 + 7  # as if that many tokens had been fed
     k = mx.ones((1, 1, 12, 8))

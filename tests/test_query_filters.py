@@ -83,7 +83,7 @@ def test_filters_file_round_trip_and_mismatch(tmp_path):
     with pytest.raises(ValueError, match="shape"):
         cal.save_filters(path, filters[:1], model)
     with pytest.raises(ValueError, match="shape"):
-        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 3, 8))))
+        KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=np.zeros((2, 3, 8)), qfilters_recent=0))
 
 
 def test_identity_ignores_how_mlx_lm_parses_args_and_legacy_files_warn(tmp_path):
@@ -136,7 +136,7 @@ def test_given_filters_evict_at_once_and_ignore_calib():
     model = tiny_llama()
     f = np.random.default_rng(4).standard_normal((2, 3, 16)).astype(np.float32)
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_filters=f, qfilters_budget=8,
-                                                           qfilters_n_sink=1, qfilters_calib_tokens=1000))
+                                                           qfilters_n_sink=1, qfilters_calib_tokens=1000, qfilters_recent=0))
     model(mx.array([list(range(20))]), cache=caches)
     assert all(c.size() == 8 for c in caches)
     np.testing.assert_array_equal(np.array(caches[1].filter), f[1])
@@ -178,13 +178,13 @@ def test_online_query_based_filters_are_path_independent(source, sign):
 
 
 def test_auto_sign_without_observer_raises_before_state_changes():
-    c = QFiltersKVCache(KVCacheConfig(qfilters_sign="auto", qfilters_budget=8, qfilters_n_sink=1))
+    c = QFiltersKVCache(KVCacheConfig(qfilters_sign="auto", qfilters_budget=8, qfilters_n_sink=1, qfilters_recent=0, qfilters_filter_source="keys"))
     k = mx.zeros((1, 2, 4, 8))
     with pytest.raises(ValueError, match="observe_queries"):
         c.update_and_fetch(k, k)
     assert c.offset == 0 and c.empty()
     with pytest.raises(ValueError, match="qfilters_sign"):
-        KVCacheConfig(qfilters_filter_source="queries", qfilters_sign=-1)
+        KVCacheConfig(qfilters_filter_source="queries", qfilters_sign=-1, qfilters_recent=0)
 
 
 def test_auto_sign_points_the_key_filter_at_the_queries():
@@ -193,7 +193,7 @@ def test_auto_sign_points_the_key_filter_at_the_queries():
     rng = np.random.default_rng(6)
     q, k, u = planted(rng, Hq=6, T=64, D=16)
     cfg = KVCacheConfig(qfilters_sign="auto", qfilters_budget=16, qfilters_n_sink=1,
-                        qfilters_calib_tokens=64)
+                        qfilters_calib_tokens=64, qfilters_recent=0, qfilters_filter_source="keys")
     c = QFiltersKVCache(cfg)
     c.queries_observed = True
     c.update_and_fetch(mx.array(k), mx.array(k))
@@ -221,7 +221,7 @@ def test_query_source_trim_and_reload_before_calibration_keep_the_first_queries(
     q = mx.array(rng.standard_normal((1, 6, 30, 8)).astype(np.float32))
     k = mx.array(rng.standard_normal((1, 2, 30, 8)).astype(np.float32))
     cfg = KVCacheConfig(qfilters_filter_source="queries", qfilters_budget=16, qfilters_n_sink=1,
-                        qfilters_calib_tokens=10)
+                        qfilters_calib_tokens=10, qfilters_recent=0)
     want = np.array(ref.estimate_filter_from_queries(q[:, :, :10], 2))
 
     def step(c, a, b):

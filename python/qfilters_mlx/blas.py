@@ -14,6 +14,10 @@ fresh process each): bundled BLAS ~720 ms; ``enable_fast_blas()`` before
 
 Only float32 goes through BLAS: float16, bfloat16 and quantized matmuls use
 MLX's own kernels, which is why the converted model is kept in float32.
+
+This module is the one owner of BLAS setup: scripts call :func:`enable_fast_blas`
+before importing mlx; the command line calls :func:`ensure_fast_blas`, which can
+also re-execute a program whose process already imported mlx.
 """
 
 from __future__ import annotations
@@ -23,8 +27,15 @@ import os
 import platform
 import sys
 import warnings
+from pathlib import Path
 
-__all__ = ["OPENBLAS_CANDIDATES", "enable_fast_blas"]
+__all__ = ["OPENBLAS_CANDIDATES", "NO_FAST_BLAS_ENV", "describe", "enable_fast_blas",
+           "ensure_fast_blas", "openblas_mapped"]
+
+NO_FAST_BLAS_ENV = "QFILTERS_MLX_NO_FAST_BLAS"
+"""Set (to anything) to make :func:`ensure_fast_blas` do nothing."""
+
+_REEXEC_ENV = "QFILTERS_MLX_BLAS_REEXEC"
 
 _MULTIARCH = f"{platform.machine()}-linux-gnu"
 
@@ -88,3 +99,62 @@ def enable_fast_blas(path: str | None = None) -> str | None:
     except Exception:  # never let an optional speed-up break the caller
         return None
     return None
+
+
+def openblas_mapped() -> str | None:
+    """Path of one of :data:`OPENBLAS_CANDIDATES`' libraries if it is mapped into
+    this process (Linux, read from ``/proc/self/maps``), else ``None``.
+
+    Only the Debian OpenBLAS folders count: numpy's own bundled OpenBLAS
+    (``libscipy_openblas*``) is mapped too but MLX does not use it.
+    """
+    folders = tuple(os.path.dirname(p) + "/" for p in OPENBLAS_CANDIDATES)
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.strip() else ""
+                if path.startswith(folders):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def ensure_fast_blas(reexec_module: str | None = None) -> str | None:
+    """Make MLX use OpenBLAS if possible; returns the library in use or ``None``.
+
+    Before ``mlx.core`` is imported this is :func:`enable_fast_blas`. Afterwards
+    the library can only come from a new process: with ``reexec_module`` (a
+    module name run as ``python -m reexec_module``) the program re-executes
+    itself once with ``LD_PRELOAD`` naming the library and the same
+    ``sys.argv[1:]`` (never returns then). Does nothing off Linux or when
+    ``QFILTERS_MLX_NO_FAST_BLAS`` is set.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get(NO_FAST_BLAS_ENV):
+        return None
+    if "mlx.core" not in sys.modules:
+        return enable_fast_blas()
+    mapped = openblas_mapped()
+    if mapped or reexec_module is None or os.environ.get(_REEXEC_ENV):
+        return mapped
+    library = next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
+    if library is None:
+        return None
+    env = dict(os.environ)
+    env[_REEXEC_ENV] = "1"
+    env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD")) if p)
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", reexec_module, *sys.argv[1:]], env)
+    return None  # not reached
+
+
+def describe(library: str | None) -> str:
+    """One line naming the BLAS MLX uses, for summaries (``library`` from the functions above)."""
+    if library:
+        return library
+    if sys.platform.startswith("linux"):
+        return "MLX's bundled BLAS (slow float32 matmul; install libopenblas0-pthread)"
+    return "platform default"

@@ -8,6 +8,7 @@ the field, before any cache exists.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from qfilters_mlx.backends.dispatch import BACKENDS
@@ -21,6 +22,41 @@ FILTER_SOURCES = ("keys", "queries")
 
 INT32_MAX = 2**31 - 1
 """Largest budget/sink/window the kernels index with int32."""
+
+# The defaults of the library and of ``qfilters-mlx generate`` (one set; measured in README,
+# "Evaluation (SmolLM2-135M-Instruct)", from ``qfilters-mlx eval``: bench/results/eval_smollm2.md).
+DEFAULT_METHOD = "qfilters"
+DEFAULT_BUDGET = 256
+"""Tokens kept per layer and KV head: the budget at which the measured online filters beat
+StreamingLLM on perplexity (13.86-13.87 vs 13.91; at 512 no scored method beats it)."""
+DEFAULT_N_SINK = 4
+DEFAULT_CALIB_TOKENS = 128
+DEFAULT_RECENT_FRACTION = 0.5
+"""The recent window as a fraction of the budget (see :func:`default_recent`): with recent
+budget/2 every scored method is far better in perplexity than with recent 0 (key-SVD -1 at
+budget 128: 16.05 vs 188.03) and better than with budget/4 at every budget (16.05 vs 16.82)."""
+DEFAULT_FILTER_SOURCE = "queries"
+"""The paper's online estimator from the first ``calib_tokens`` post-RoPE queries. Chosen over
+the key-SVD filter because it ranks cached tokens by the attention they receive better
+(Spearman +0.53..+0.61 vs +0.34..+0.47 for key-SVD sign -1, and -0.34..-0.47 for +1) and ties or
+beats it on perplexity (15.95 vs 16.05 at budget 128, 12.76 vs 12.93 at 512), and because its
+sign comes from the model's own queries, while the better key-SVD sign (-1 on SmolLM2) is a
+per-model measurement. Cost: generation must run inside ``observe_queries``."""
+DEFAULT_SIGN = 1
+"""Sign of the filter score. +1 leaves the query filter's orientation as estimated (its sign is
+fixed by the queries); key-SVD users should pass ``-1`` (better than +1 and than ``"auto"`` on
+SmolLM2: perplexity 16.05 vs 17.96 and 17.13 at budget 128)."""
+DEFAULT_KEY_SIGN = -1
+"""The sign the command line uses with ``--filter-source keys`` (see :data:`DEFAULT_SIGN`)."""
+
+
+def default_recent(budget: int, n_sink: int) -> int:
+    """The default recent window: ``floor(budget * DEFAULT_RECENT_FRACTION)``, capped at
+    ``budget - n_sink - 1`` so that at least one slot is left for scored tokens (never < 0).
+
+    ``KVCacheConfig(qfilters_recent=None)`` (the default) and ``qfilters-mlx generate`` without
+    ``--recent`` both use it."""
+    return max(0, min(int(budget * DEFAULT_RECENT_FRACTION), budget - n_sink - 1))
 
 
 def _check_int(name: str, value, minimum: int, maximum: int = INT32_MAX) -> None:
@@ -36,7 +72,12 @@ def _check_int(name: str, value, minimum: int, maximum: int = INT32_MAX) -> None
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Configuration of the eviction cache (the seed's field names).
+    """Configuration of the eviction cache.
+
+    ``KVCacheConfig()`` is the best measured configuration (README, "Evaluation"): the online
+    query filter (the paper's estimator; needs :func:`qfilters_mlx.observe_queries` around
+    generation), budget 256, 4 sinks, a recent window of budget/2, 128 calibration tokens. The
+    command line uses the same defaults (``tests/test_cli.py`` states them).
 
     Attributes:
         method: one of ``"qfilters"``, ``"l2norm"``, ``"streaming_llm"``,
@@ -47,8 +88,11 @@ class KVCacheConfig:
             call (sinks and recent window included). Used by every method but
             ``full``.
         qfilters_n_sink: leading positions never evicted (attention sinks).
-        qfilters_recent: trailing positions never evicted. ``streaming_llm``
-            ignores it and keeps the last ``budget - n_sink`` positions.
+        qfilters_recent: trailing positions never evicted; ``None`` (default)
+            means :func:`default_recent` of the budget and sinks (budget/2, capped to
+            leave one scored slot), resolved at construction (so ``dataclasses.replace``
+            with another budget must pass ``qfilters_recent=None`` again).
+            ``streaming_llm`` ignores it and keeps the last ``budget - n_sink`` positions.
         qfilters_calib_tokens: number of keys the online key-SVD filter is
             estimated from, then frozen; nothing is evicted before that. Only
             ``method="qfilters"`` uses it.
@@ -57,14 +101,17 @@ class KVCacheConfig:
             sign (see README, "Caveats"); ``"auto"`` picks it per KV head from
             the queries of the first ``calib_tokens`` tokens (needs
             :func:`qfilters_mlx.observe.observe_queries` around generation).
-        qfilters_filter_source: ``"keys"`` (key-SVD, default) or ``"queries"``
-            (the paper's estimator from the first ``calib_tokens`` post-RoPE
-            queries, online; needs ``observe_queries``; its sign is fixed by the
-            queries, so ``qfilters_sign`` must be ``+1`` or ``"auto"``).
+        qfilters_filter_source: ``"queries"`` (default: the paper's estimator from
+            the first ``calib_tokens`` post-RoPE queries, online; needs
+            ``observe_queries``; its sign is fixed by the queries, so
+            ``qfilters_sign`` must be ``+1`` or ``"auto"``) or ``"keys"`` (key-SVD,
+            no queries needed; use ``qfilters_sign=-1``, see :data:`DEFAULT_SIGN`).
         qfilters_filters: precomputed filters ``[n_layers, n_kv_heads, head_dim]``
             (a safetensors path written by ``qfilters-mlx calibrate``, or an
             array). With filters, eviction starts at once and
             ``qfilters_calib_tokens`` and ``qfilters_filter_source`` are ignored.
+            A path must name an existing file (checked here; its contents are
+            checked against the model by ``KVCacheBuilder.for_model``).
         qfilters_seed: seed of the ``random`` control arm.
         qfilters_backend: kernel backend, one of ``"auto"``, ``"reference"``,
             ``"cpp"``, ``"metal"``; resolved when a cache is built.
@@ -77,20 +124,21 @@ class KVCacheConfig:
     Raises:
         ValueError: budget < 1 or None, n_sink < 0, recent < 0, max_rewind < 0,
             ``n_sink + recent >= budget``, calib_tokens < 1, sign not +1/-1,
-            unknown method or backend, head_dim < 1.
+            unknown method or backend, head_dim < 1, a ``qfilters_filters``
+            path that is not an existing file.
         TypeError: a field that must be an int is not one.
     """
 
-    method: str = "qfilters"
+    method: str = DEFAULT_METHOD
     head_dim: int | None = None
-    qfilters_budget: int = 512
-    qfilters_n_sink: int = 4
-    qfilters_recent: int = 0
-    qfilters_calib_tokens: int = 128
-    qfilters_sign: int | str = 1
+    qfilters_budget: int = DEFAULT_BUDGET
+    qfilters_n_sink: int = DEFAULT_N_SINK
+    qfilters_recent: int | None = None
+    qfilters_calib_tokens: int = DEFAULT_CALIB_TOKENS
+    qfilters_sign: int | str = DEFAULT_SIGN
     qfilters_seed: int = 0
     qfilters_backend: str = "auto"
-    qfilters_filter_source: str = "keys"
+    qfilters_filter_source: str = DEFAULT_FILTER_SOURCE
     qfilters_max_rewind: int = 16
     qfilters_filters: object = field(default=None, compare=False, repr=False)
 
@@ -101,6 +149,9 @@ class KVCacheConfig:
             _check_int("head_dim", self.head_dim, 1)
         _check_int("qfilters_budget", self.qfilters_budget, 1)
         _check_int("qfilters_n_sink", self.qfilters_n_sink, 0)
+        if self.qfilters_recent is None:
+            object.__setattr__(self, "qfilters_recent",
+                               default_recent(self.qfilters_budget, self.qfilters_n_sink))
         _check_int("qfilters_recent", self.qfilters_recent, 0)
         _check_int("qfilters_calib_tokens", self.qfilters_calib_tokens, 1)
         _check_int("qfilters_seed", self.qfilters_seed, 0, 2**63 - 1)
@@ -127,11 +178,15 @@ class KVCacheConfig:
             )
         if self.qfilters_filter_source == "queries" and self.qfilters_sign == -1:
             raise ValueError("qfilters_sign=-1 contradicts qfilters_filter_source='queries' "
-                             "(the query filter's sign is fixed by the queries)")
+                             "(the query filter's sign is fixed by the queries); for the key-SVD "
+                             "filter with sign -1 pass qfilters_filter_source='keys'")
         f = self.qfilters_filters
         if f is not None and not isinstance(f, str) and getattr(f, "ndim", None) != 3:
             raise ValueError("qfilters_filters must be a path or a [n_layers, n_kv_heads, "
                              f"head_dim] array, got {type(f).__name__}")
+        if isinstance(f, str) and not os.path.isfile(f):
+            raise ValueError(f"qfilters_filters: no such file: {f!r} (write one with "
+                             f"`qfilters-mlx calibrate --out FILE`)")
         if self.qfilters_backend not in BACKENDS:
             raise ValueError(
                 f"qfilters_backend must be one of {BACKENDS}, got {self.qfilters_backend!r}"

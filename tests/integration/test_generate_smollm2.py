@@ -58,11 +58,10 @@ def _greedy(model, tokenizer, tokens, caches, max_tokens, prefill_step_size=2048
 
 
 def _config(budget):
-    """The command line's default configuration (the online query filter)."""
-    from qfilters_mlx.commands.cli import _config_or_error, build_parser
+    """The default configuration (library and command line: the online query filter)."""
+    from qfilters_mlx import KVCacheConfig
 
-    parser = build_parser()
-    return _config_or_error(parser, parser.parse_args(["generate", "--budget", str(budget)]))
+    return KVCacheConfig(qfilters_budget=budget)
 
 
 def test_prompt_length(prompt_tokens):
@@ -160,8 +159,125 @@ def test_cli_end_to_end(model_path, model_and_tokenizer, prompt_tokens, capsys):
     ratio = float(_field(out, "Compression ratio").rstrip("x"))
     assert ratio > 1.0
     assert ratio == pytest.approx(full / kept, abs=0.01)
+    weights = int(re.search(r"of the ([\d.]+) MiB of weights", _field(out, "KV bytes kept")).group(1)
+                  .split(".")[0])
+    assert 400 <= weights <= 600  # SmolLM2-135M in float32: 513 MiB
+    from qfilters_mlx.assets.prompts import PASS_KEY
+
+    text = out.split("=" * 10)[1]
+    assert _field(out, "Pass key found").startswith("yes" if PASS_KEY in text else "no")
     assert ("method=qfilters budget=256 n_sink=4 recent=128 filter_source=queries sign=+1 "
             "calib_tokens=128") in _field(out, "Cache config")
     assert float(_field(out, "Prompt speed").split()[0]) > 0
     assert float(_field(out, "Generation speed").split()[0]) > 0
     assert int(re.search(r"\((\d+) bytes\)", _field(out, "Peak memory")).group(1)) > 0
+
+
+# ----------------------------------------------------- comparison, files, draft, calibrate
+SHORT = ("Alice keeps her notes in a blue notebook. " * 40
+         + "The secret pass key is 48213. Remember it. "
+         + "Bob prefers a red folder for his letters. " * 20
+         + "What is the secret pass key?")
+
+
+@pytest.fixture()
+def short_prompt(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text(SHORT, encoding="utf-8")
+    return str(path)
+
+
+def _table(out: str) -> dict:
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return {row[0]: dict(zip(header, row)) for row in
+            ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+
+
+def test_compare_table(model_path, short_prompt, capsys):
+    from qfilters_mlx.commands.cli import main
+
+    assert main(["generate", "--compare", "full,streaming_llm@64,qfilters@64", "--prompt-file",
+                 short_prompt, "--max-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    rows = _table(captured.out)
+    assert list(rows) == ["full", "streaming_llm@64", "qfilters@64"]
+    assert rows["streaming_llm@64"]["kept tokens"] == rows["qfilters@64"]["kept tokens"] == "64"
+    assert int(rows["full"]["kept tokens"]) > 300
+    assert all(r["key"] == "-" for r in rows.values())  # not the shipped prompt
+    row_bytes = N_KV_HEADS * HEAD_DIM * 2 * 4
+    # streaming_llm keeps the K/V rows only (no scores, no filter)
+    from qfilters_mlx.commands.summary import human_bytes
+
+    kv = rows["streaming_llm@64"]["KV bytes (% of weights)"]
+    assert kv.startswith(human_bytes(N_LAYERS * 64 * row_bytes) + " (")
+    assert "prefill" in captured.err
+
+
+def test_cache_prompt_then_generate_continues_exactly(model_path, model_and_tokenizer, tmp_path,
+                                                      capsys):
+    """cache-prompt writes a file generate continues from; the answer equals one uninterrupted
+    run over the same tokens with the same cache configuration (greedy)."""
+    from qfilters_mlx import KVCacheBuilder, KVCacheConfig
+    from qfilters_mlx.commands.cli import build_parser, main
+    from qfilters_mlx.commands.generation import build_prompt
+
+    model, tokenizer = model_and_tokenizer
+    file = str(tmp_path / "prompt.safetensors")
+    first, second = SHORT[:1200], " Answer in one short sentence. What is the secret pass key?"
+    assert main(["cache-prompt", "--prompt", first, "--prompt-cache-file", file,
+                 "--budget", "64"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--prompt-cache-file", file, "--prompt", second, "--max-tokens", "12",
+                 "--verbose", "F"]) == 0
+    got = capsys.readouterr().out.rstrip("\n")
+
+    parser = build_parser()
+    args = parser.parse_args(["generate"])
+    tokens = (build_prompt(parser, args, tokenizer, first, continue_final=True)
+              + build_prompt(parser, args, tokenizer, second, suffix_of_cached=True))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=64))
+    want = tokenizer.decode(_greedy(model, tokenizer, tokens, caches, 12))
+    assert got == want
+    assert all(c.size() <= 64 + 1 for c in caches)
+
+
+def test_prompt_cache_file_of_plain_caches_is_refused(model_and_tokenizer, tmp_path, capsys):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    from qfilters_mlx.commands.cli import main
+
+    model, _ = model_and_tokenizer
+    caches = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=caches)
+    file = str(tmp_path / "plain.safetensors")
+    save_prompt_cache(file, caches, {"model": "x", "tokenizer_config": "{}"})
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt-cache-file", file, "--prompt", "hi"])
+    assert "holds no eviction caches" in capsys.readouterr().err
+
+
+@pytest.mark.xfail(reason="pending_merge: rewind", strict=False)
+def test_draft_model_gives_the_tokens_of_plain_greedy(model_path, short_prompt, capsys):
+    """Speculative decoding with our caches (on model and draft) after eviction must give
+    exactly the greedy tokens of the same configuration without a draft."""
+    from qfilters_mlx.commands.cli import main
+
+    common = ["generate", "--prompt-file", short_prompt, "--budget", "64", "--max-tokens", "16",
+              "--verbose", "F", "--prefill-step-size", "128"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    assert main([*common, "--draft-model", str(model_path), "--num-draft-tokens", "3"]) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_calibrate_shows_progress_without_tokenizer_warning(model_path, tmp_path, capfd):
+    from qfilters_mlx.commands.cli import main
+
+    out = str(tmp_path / "f.safetensors")
+    assert main(["calibrate", "--out", out, "--tokens", "96", "--chunk", "32", "--samples", "16"]) == 0
+    err = capfd.readouterr().err
+    for done in (32, 64, 96):
+        assert f"Calibrating: {done}/96 tokens" in err
+    assert "sequence length is longer than the specified maximum" not in err

@@ -29,12 +29,20 @@ __all__ = [
     "QUESTION",
     "SOURCE_OFFSET",
     "SPAN_CHARS",
+    "answer_has_pass_key",
     "long_prompt",
     "source_text",
 ]
 
 PASS_KEY = "48213"
 """The fact to retrieve (a string: it is compared with generated text)."""
+
+
+def answer_has_pass_key(answer: str) -> bool:
+    """Whether a generated answer to :func:`long_prompt` contains :data:`PASS_KEY`
+    (the evaluation's rule: the key appears in the answer, digits not split)."""
+    return PASS_KEY in answer
+
 
 PASS_KEY_SENTENCE = f"The secret pass key is {PASS_KEY}. Remember it."
 QUESTION = "What is the secret pass key?"

@@ -3,7 +3,7 @@
 Loads the model and the text, reads/writes the results files and prints
 (DESIGN.md: only the command line does I/O); the measuring is in
 :mod:`qfilters_mlx.evaluation`, the tables and plot in
-:mod:`qfilters_mlx.eval_report`.
+:mod:`qfilters_mlx.evaluation.report`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
             "text. Resumable: cells already in --out are skipped."
         ),
     )
-    ev.set_defaults(_parser=ev)
+    ev.set_defaults(_parser=ev, _run=run)
     ev.add_argument("--model", default=None, help="mlx-lm model folder (default: prepared SmolLM2)")
     ev.add_argument("--out", default=None, metavar="JSON",
                     help="results file (default bench/results/eval_smollm2.json, or eval_quick.json "
@@ -82,7 +82,7 @@ def _write_report(out: Path, results: dict, command: str) -> None:
     plt.close(fig)
 
 
-def run(parser, args) -> int:
+def run(parser, args, blas_library: str | None = None) -> int:
     default = "bench/results/eval_quick.json" if args.quick else "bench/results/eval_smollm2.json"
     out = Path(args.out or default)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -95,9 +95,9 @@ def run(parser, args) -> int:
         print(out.with_suffix(".md").read_text())
         return 0
 
-    from qfilters_mlx.commands.cli import _model_path
+    from qfilters_mlx.commands.model_path import resolve_model
 
-    model_path = _model_path(parser, args)
+    model_path = resolve_model(parser, args.model)
 
     import mlx.core as mx
     from mlx_lm import load

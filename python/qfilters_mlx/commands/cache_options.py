@@ -1,0 +1,139 @@
+"""From the cache flags to a validated :class:`~qfilters_mlx.config.KVCacheConfig`.
+
+Which flag does something depends on the method (and, for ``qfilters``, on
+``--filters``): :func:`applicable_flags` is that table, :func:`ignored_flags`
+lists what the user gave that does nothing (the command warns), and
+:func:`describe_config` prints only what applies. Defaults come from
+:mod:`qfilters_mlx.config` (the library's; one set for both).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from qfilters_mlx.config import DEFAULT_KEY_SIGN, KVCacheConfig
+
+__all__ = ["applicable_flags", "config_from_args", "describe_config", "ignored_flags",
+           "warn_ignored"]
+
+# KVCacheConfig field -> the flag that sets it (to name flags in its errors).
+FIELD_FLAGS = {
+    "qfilters_calib_tokens": "--calib-tokens",
+    "qfilters_backend": "--backend",
+    "qfilters_budget": "--budget",
+    "qfilters_n_sink": "--n-sink",
+    "qfilters_recent": "--recent",
+    "qfilters_sign": "--sign",
+    "qfilters_seed": "--seed",
+    "qfilters_filter_source": "--filter-source",
+    "qfilters_filters": "--filters",
+}
+
+_CACHE_FLAGS = ("budget", "max_kv_size", "n_sink", "recent", "calib_tokens", "filter_source",
+                "sign", "filters")
+
+
+def applicable_flags(method: str, has_filters: bool) -> set[str]:
+    """The cache flags (``args`` attribute names) that change what ``method`` does."""
+    if method == "full":
+        return set()
+    flags = {"budget", "max_kv_size", "n_sink"}
+    if method == "streaming_llm":
+        return flags
+    flags.add("recent")
+    if method == "qfilters":
+        flags.add("filters")
+        if not has_filters:
+            flags |= {"calib_tokens", "filter_source", "sign"}
+    return flags
+
+
+def ignored_flags(args, method: str | None = None) -> list[str]:
+    """Cache flags given on the command line that do nothing for ``method`` (default ``args.method``)."""
+    method = method or args.method
+    keep = applicable_flags(method, args.filters is not None)
+    return ["--" + name.replace("_", "-") for name in _CACHE_FLAGS
+            if getattr(args, name, None) is not None and name not in keep]
+
+
+def warn_ignored(parser, args, method: str | None = None) -> None:
+    """One warning line on stderr per given flag that ``method`` does not use."""
+    method = method or args.method
+    detail = " with --filters" if method == "qfilters" and args.filters is not None else ""
+    for flag in ignored_flags(args, method):
+        print(f"{parser.prog}: warning: {flag} does nothing with --method {method}{detail} "
+              f"(ignored)", file=sys.stderr)
+
+
+def _budget(parser, args) -> int | None:
+    if args.max_kv_size is not None and args.budget is not None and args.max_kv_size != args.budget:
+        parser.error(f"--max-kv-size {args.max_kv_size} and --budget {args.budget} disagree: "
+                     f"--max-kv-size is mlx-lm's name for the budget; give one of them")
+    return args.budget if args.budget is not None else args.max_kv_size
+
+
+def config_from_args(parser, args, method: str | None = None, budget: int | None = None):
+    """The validated ``KVCacheConfig`` for ``args``; errors go to ``parser.error`` naming the flag.
+
+    Args:
+        method: overrides ``args.method`` (the comparison mode runs several).
+        budget: overrides the budget flags (the comparison mode's ``METHOD@BUDGET``).
+
+    Flags that ``method`` does not use are left out (the library's defaults stand in),
+    so ``--method full --budget 8 --recent 8`` is accepted.
+    """
+    method = method or args.method
+    keep = applicable_flags(method, args.filters is not None)
+    given = {name: getattr(args, name) for name in _CACHE_FLAGS
+             if name in keep and getattr(args, name, None) is not None}
+    kwargs = {"method": method, "qfilters_backend": args.backend,
+              "qfilters_seed": args.seed if getattr(args, "seed", None) is not None else 0}
+    if "budget" in keep:
+        b = budget if budget is not None else _budget(parser, args)
+        if b is not None:
+            kwargs["qfilters_budget"] = b
+    for name, field in (("n_sink", "qfilters_n_sink"), ("recent", "qfilters_recent"),
+                        ("calib_tokens", "qfilters_calib_tokens"),
+                        ("filter_source", "qfilters_filter_source"), ("filters", "qfilters_filters"),
+                        ("sign", "qfilters_sign")):
+        if name in given:
+            kwargs[field] = given[name]
+    if "sign" in keep and "sign" not in given and given.get("filter_source") == "keys":
+        kwargs["qfilters_sign"] = DEFAULT_KEY_SIGN
+    try:
+        config = KVCacheConfig(**kwargs)
+        from qfilters_mlx.backends.dispatch import get_backend
+
+        get_backend(config.qfilters_backend)  # fail before loading the model
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        for field, flag in FIELD_FLAGS.items():
+            message = re.sub(rf"\b{field}\b", flag, message)
+        message = re.sub(r"^backend=", "--backend=", message)
+        parser.error(message)
+    return config
+
+
+def describe_config(config) -> str:
+    """The configuration in flag terms, only what applies to its method."""
+    parts = [f"method={config.method}"]
+    if config.method == "full":
+        return parts[0] + " (keeps every token)"
+    parts.append(f"budget={config.qfilters_budget} n_sink={config.qfilters_n_sink}")
+    if config.method == "streaming_llm":
+        parts.append(f"recent={config.protected_recent} (budget - n_sink)")
+    else:
+        parts.append(f"recent={config.qfilters_recent}")
+    if config.method == "qfilters":
+        f = config.qfilters_filters
+        if f is not None:
+            parts.append(f"filters={f if isinstance(f, str) else 'array'}")
+        else:
+            sign = config.qfilters_sign
+            sign = sign if isinstance(sign, str) else f"{sign:+d}"
+            parts.append(f"filter_source={config.qfilters_filter_source} sign={sign} "
+                         f"calib_tokens={config.qfilters_calib_tokens}")
+    if config.method == "random":
+        parts.append(f"seed={config.qfilters_seed}")
+    return " ".join(parts)

@@ -1,0 +1,105 @@
+"""``qfilters-mlx calibrate``: offline query-derived filters written to a safetensors file."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from qfilters_mlx.commands.model_path import resolve_model
+
+__all__ = ["add_parser", "encode_quietly", "progress_chunks", "run"]
+
+DEFAULT_CALIB_TEXT_TOKENS = 4096
+DEFAULT_CALIB_SAMPLES = 4096
+DEFAULT_CHUNK = 1024
+
+
+def add_parser(sub) -> None:
+    """Add ``calibrate`` to ``sub`` (an argparse subparsers object)."""
+    cal = sub.add_parser(
+        "calibrate",
+        help="estimate query-derived Q-Filters offline and write them to a safetensors file",
+        description=(
+            "Run the model over calibration text, collect post-RoPE queries of every layer and "
+            "query head, and write the paper's filters [n_layers, n_kv_heads, head_dim] "
+            "(top singular vector per query head, oriented so queries project positively, "
+            "averaged over each GQA group) with model metadata."
+        ),
+    )
+    cal.set_defaults(_parser=cal, _run=run)
+    cal.add_argument("--model", default=None, help="mlx-lm model folder (default: SmolLM2)")
+    cal.add_argument("--text", default=None, metavar="FILE",
+                     help="UTF-8 calibration text (default: a span of CPython's pydoc_data "
+                          "reference text disjoint from the evaluation text and the shipped prompt)")
+    cal.add_argument("--out", required=True, metavar="FILTERS.safetensors", help="output file")
+    cal.add_argument("--tokens", type=int, default=DEFAULT_CALIB_TEXT_TOKENS,
+                     help=f"calibration tokens (default {DEFAULT_CALIB_TEXT_TOKENS})")
+    cal.add_argument("--samples", type=int, default=DEFAULT_CALIB_SAMPLES,
+                     help=f"at most this many query rows per head (default {DEFAULT_CALIB_SAMPLES})")
+    cal.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                     help=f"tokens per independent forward pass (default {DEFAULT_CHUNK})")
+
+
+def encode_quietly(tokenizer, text: str) -> list[int]:
+    """``tokenizer.encode(text)`` without transformers' "sequence length is longer than the
+    specified maximum" warning: the text is tokenized whole but run through the model in
+    ``--chunk``-token pieces, so the warning's "indexing errors" cannot happen."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - mlx-lm depends on transformers
+        return tokenizer.encode(text)
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return tokenizer.encode(text)
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def progress_chunks(chunks: list, stream=None):
+    """Yield ``chunks``, printing ``Calibrating: n/N tokens (tok/s)`` on stderr as each is done."""
+    stream = stream or sys.stderr
+    total = sum(len(c) for c in chunks)
+    done, tic = 0, time.perf_counter()
+    for chunk in chunks:
+        yield chunk
+        done += len(chunk)
+        rate = done / max(time.perf_counter() - tic, 1e-9)
+        print(f"\rCalibrating: {done}/{total} tokens ({rate:.0f} tok/s)", end="", file=stream,
+              flush=True)
+    print("\nEstimating the filters (one SVD per layer and query head)...", file=stream, flush=True)
+
+
+def run(parser, args, blas_library: str | None = None) -> int:
+    """Run ``calibrate``; returns the exit status."""
+    if args.tokens < 1 or args.samples < 1 or args.chunk < 1:
+        parser.error("--tokens, --samples and --chunk must be >= 1")
+    if args.text is not None:
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            parser.error(f"--text: {err}")
+        source = args.text
+    else:
+        from qfilters_mlx.assets.prompts import calibration_text
+
+        text, source = calibration_text()
+    model_path = resolve_model(parser, args.model)
+
+    from mlx_lm import load
+
+    from qfilters_mlx.filters.calibration import calibrate_filters, save_filters
+
+    model, tokenizer = load(str(model_path))
+    ids = encode_quietly(tokenizer, text)[: args.tokens]
+    if len(ids) < 2:
+        parser.error("--text: too little text")
+    chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
+    tic = time.perf_counter()
+    filters = calibrate_filters(model, progress_chunks(chunks), samples=args.samples)
+    save_filters(args.out, filters, model, calibration_text=source, calibration_tokens=len(ids),
+                 samples_per_head=args.samples, model_path=str(model_path))
+    print(f"Wrote {args.out}: filters {tuple(filters.shape)} from {len(ids)} tokens of {source} "
+          f"in {time.perf_counter() - tic:.1f} s")
+    return 0

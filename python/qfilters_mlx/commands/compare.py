@@ -1,0 +1,118 @@
+"""``qfilters-mlx generate --compare``: one prompt through several caches, one table.
+
+Each entry of the list is ``METHOD`` or ``METHOD@BUDGET``; the model is loaded once,
+each entry gets fresh caches (and fresh draft caches with ``--draft-model``) and the
+same sampling flags. The table has, per entry: the answer's first line, whether it
+contains the shipped prompt's pass key, kept tokens per layer, KV bytes kept (and
+their share of the weights' bytes), prompt and generation tokens/s, peak memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from qfilters_mlx.commands import cache_options, generation, summary
+from qfilters_mlx.commands.model_path import resolve_model
+
+__all__ = ["parse_entries", "run_compare"]
+
+ANSWER_CHARS = 48
+"""The answer column shows at most this many characters of the answer's first line."""
+
+
+def parse_entries(parser, spec: str) -> list[tuple[str, int | None]]:
+    """``"full,qfilters@512"`` -> ``[("full", None), ("qfilters", 512)]``; errors name ``--compare``."""
+    from qfilters_mlx.config import METHODS
+
+    entries = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        method, _, budget = item.partition("@")
+        if method not in METHODS:
+            parser.error(f"--compare: unknown method {method!r} in {spec!r} (choose from "
+                         f"{', '.join(METHODS)}, optionally METHOD@BUDGET)")
+        try:
+            b = int(budget) if budget else None
+        except ValueError:
+            parser.error(f"--compare: budget of {item!r} is not an integer")
+        if b is not None and method == "full":
+            parser.error(f"--compare: {item!r}: method full has no budget")
+        entries.append((method, b))
+    if not entries:
+        parser.error(f"--compare: no method in {spec!r}")
+    return entries
+
+
+def _answer(text: str) -> str:
+    line = " ".join(text.strip().split("\n", 1)[0].split()).replace("|", "/")
+    return line if len(line) <= ANSWER_CHARS else line[:ANSWER_CHARS - 3] + "..."
+
+
+def run_compare(parser, args, blas_library: str | None = None) -> int:
+    """Run every entry of ``args.compare`` and print the table; returns the exit status."""
+    if args.prompt_cache_file is not None:
+        parser.error("--compare cannot continue from --prompt-cache-file (each entry needs "
+                     "fresh caches)")
+    entries = parse_entries(parser, args.compare)
+    unused = set.intersection(*(set(cache_options.ignored_flags(args, m)) for m, _ in entries))
+    for flag in sorted(unused):
+        print(f"{parser.prog}: warning: {flag} does nothing for any of --compare "
+              f"{args.compare} (ignored)", file=sys.stderr)
+    configs = [cache_options.config_from_args(parser, args, method=m, budget=b) for m, b in entries]
+    text, shipped = generation.read_prompt(parser, args)
+    model_path = resolve_model(parser, args.model)
+    draft_path = resolve_model(parser, args.draft_model, "--draft-model") if args.draft_model else None
+
+    import mlx.core as mx
+
+    from qfilters_mlx import blas
+    from qfilters_mlx.assets.prompts import PASS_KEY, answer_has_pass_key
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+
+    model, tokenizer = generation.load_model(parser, args, model_path)
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(token)
+    draft_model = None
+    if draft_path is not None:
+        draft_model, _ = generation.load_model(parser, args, draft_path, "--draft-model")
+    tokens = generation.build_prompt(parser, args, tokenizer, text)
+    weights = summary.weight_bytes(model)
+    rows = []
+    for i, ((method, _), config) in enumerate(zip(entries, configs)):
+        label = f"{method}@{config.qfilters_budget}" if method != "full" else method
+        if args.seed is not None:
+            mx.random.seed(args.seed)  # every entry samples from the same state
+        try:
+            caches = KVCacheBuilder.for_model(model, config)
+            draft = None if draft_model is None else (
+                draft_model, KVCacheBuilder.for_model(draft_model, replace(config, head_dim=None)))
+        except (ValueError, TypeError, OSError, RuntimeError) as err:
+            parser.error(f"--compare {label}: {err}")
+        progress = generation.prefill_progress(f"[{i + 1}/{len(entries)}] {label} prefill")
+        print(f"[{i + 1}/{len(entries)}] {label}: {cache_options.describe_config(config)}",
+              file=sys.stderr, flush=True)
+        r = generation.run_generation(model, tokenizer, tokens, caches, args, draft=draft,
+                                      progress=progress)
+        s = summary.cache_summary(r.caches)
+        rows.append([
+            label,
+            _answer(r.text),
+            ("yes" if answer_has_pass_key(r.text) else "no") if shipped else "-",
+            str(s["kept_tokens"]),
+            f"{summary.human_bytes(s['kept_bytes'])} ({100.0 * s['kept_bytes'] / weights:.1f}%)",
+            f"{r.prompt_tps:.0f}",
+            f"{r.generation_tps:.1f}",
+            f"{r.peak_memory / 2**20:.0f} MiB",
+        ])
+    header = ["cache", "answer", "key found" if shipped else "key", "kept tokens",
+              "KV bytes (% of weights)", "prompt tok/s", "gen tok/s", "peak memory"]
+    print(f"Model: {model_path} ({summary.human_bytes(weights)} of weights); "
+          f"BLAS: {blas.describe(blas_library)}")
+    print(f"Prompt: {len(tokens)} tokens"
+          + (f", the shipped pass-key prompt (key {PASS_KEY})" if shipped else "")
+          + f"; at most {args.max_tokens} generated tokens; kept tokens and KV bytes are per "
+            f"model (max over layers / sum over layers) after generation")
+    print(summary.table(header, rows))
+    return 0

@@ -1,0 +1,87 @@
+"""README's code blocks run as written (issue 13): the ```python blocks in order in one namespace
+(a later block continues an earlier one, as a reader would), and every `qfilters-mlx` command
+line of the ```bash blocks in order, in a temporary folder, through the console script's `main`.
+
+Skipped: `bash .ci/...` (the setup this test runs inside) and `qfilters-mlx eval`
+(tests/integration/test_eval_quick.py runs it). Generation lengths are the README's own
+(every generate line there has --max-tokens <= 24).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MAX_TOKENS = 24
+
+
+def blocks(language: str) -> list[str]:
+    """The fenced blocks of ``language`` (indented ones inside list items too, dedented)."""
+    found = re.findall(rf"^( *)```{language}\n(.*?)^\1```", README.read_text(encoding="utf-8"),
+                       re.MULTILINE | re.DOTALL)
+    return [textwrap.dedent(body) for _, body in found]
+
+
+def commands() -> list[list[str]]:
+    """Every `qfilters-mlx` invocation of the bash blocks, as argv lists without the program."""
+    out = []
+    for block in blocks("bash"):
+        for line in block.splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                if words and words[0].endswith("qfilters-mlx"):
+                    out.append(words[1:])
+    return out
+
+
+def test_readme_has_the_blocks_this_test_runs():
+    cmds = commands()
+    assert cmds[0][:2] == ["generate", "--compare"]  # the first command shows the table
+    assert any(c[:1] == ["cache-prompt"] for c in cmds)
+    assert len(blocks("python")) >= 3
+    for argv in cmds:
+        if argv[:1] == ["generate"]:
+            assert "--max-tokens" in argv and int(argv[argv.index("--max-tokens") + 1]) <= MAX_TOKENS
+
+
+def test_python_blocks_run_as_written(model_path, capsys):
+    namespace: dict = {"__name__": "__readme__"}
+    for block in blocks("python"):
+        with warnings.catch_warnings():
+            # enable_fast_blas() after pytest imported mlx only warns; the conftest loaded OpenBLAS
+            warnings.simplefilter("ignore", RuntimeWarning)
+            exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+    caches = namespace["caches"]
+    config = namespace["config"]
+    from qfilters_mlx import KVCacheConfig
+
+    assert config == KVCacheConfig()
+    assert caches[0].tokens_seen > caches[0].size()  # the example evicts
+    assert capsys.readouterr().out.count("->") == 2  # the chat recipe answered both turns
+
+
+def test_command_lines_run_as_written(model_path, tmp_path, monkeypatch, capsys):
+    from qfilters_mlx.commands.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ran = 0
+    for argv in commands():
+        if argv[:1] == ["eval"]:
+            continue
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # --version exits 0 through argparse
+            status = exc.code
+        assert status == 0, argv
+        ran += 1
+    out = capsys.readouterr().out
+    assert "| full " in out and "key found" in out  # the comparison table on the shipped prompt
+    assert ran >= 8
