@@ -22,7 +22,7 @@ from qfilters_mlx import KVCacheBuilder, KVCacheConfig
 from qfilters_mlx.model_info import BOUNDED_CACHES
 
 BUILD_CONFIG = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_recent=2,
-                             qfilters_calib_tokens=4)
+                             qfilters_calib_tokens=4, qfilters_filter_source="keys")
 """The configuration every row is built with (eviction after a few tokens)."""
 
 

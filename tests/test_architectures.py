@@ -94,7 +94,7 @@ def test_builds_or_refuses_at_build_time(name):
 @pytest.mark.parametrize("name", MODULES)
 def test_budget_covering_the_sequence_gives_the_models_own_logits(name):
     model = _built(name)
-    cfg = KVCacheConfig(qfilters_budget=64, qfilters_calib_tokens=4)
+    cfg = KVCacheConfig(qfilters_budget=64, qfilters_recent=0, qfilters_calib_tokens=4, qfilters_filter_source="keys")
     want = _feed(model, default_caches(model))
     got = _feed(model, KVCacheBuilder.for_model(model, cfg))
     for w, g in zip(want, got):
@@ -152,7 +152,7 @@ def test_prompt_cache_file_round_trip(name, tmp_path):
 def _deepcopy_pending() -> bool:
     """True while deepcopy of the default backend's cache fails (fixed in branch `rewind`)."""
     try:
-        copy.deepcopy(QFiltersKVCache(KVCacheConfig()))
+        copy.deepcopy(QFiltersKVCache(KVCacheConfig(qfilters_filter_source="keys")))
         return False
     except TypeError:
         return True

@@ -29,7 +29,8 @@ def available_backends():
 
 def config(backend="auto", method="qfilters", **kw):
     base = dict(method=method, qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
-                qfilters_calib_tokens=8, qfilters_backend=backend)
+                qfilters_calib_tokens=8, qfilters_backend=backend,
+                qfilters_filter_source="keys")
     return KVCacheConfig(**{**base, **kw})
 
 
@@ -99,7 +100,8 @@ def tiny_llama(seed=0):
 
 
 MODEL = tiny_llama()
-CFG = KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2, qfilters_calib_tokens=8)
+CFG = KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2, qfilters_calib_tokens=8,
+                    qfilters_filter_source="keys")
 
 
 def greedy(caches, first, steps):

@@ -30,11 +30,7 @@ ALLOWED_PRIVATE = {f"{PACKAGE}._ext"}
 
 # Violations in files other helpers are changing at the same time (issue 14); the test
 # xfails while every violation it finds is one of these, and fails on any other.
-PENDING_MERGE = {
-    "qfilters_mlx/commands/cli.py": "cli <-> eval cycle, size (commands/ split)",
-    "qfilters_mlx/commands/eval.py": "imports cli._model_path (commands/ split)",
-    "qfilters_mlx/cache/kv_cache.py": "size (cache/ split)",
-}
+PENDING_MERGE: dict = {}
 
 
 def module_name(path: Path, root: Path) -> str:

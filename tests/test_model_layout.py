@@ -10,7 +10,8 @@ from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.filters import calibration as cal
 from qfilters_mlx.model_info import model_dims, probe_layout
 
-CFG = dict(qfilters_budget=16, qfilters_n_sink=1, qfilters_recent=2, qfilters_calib_tokens=4)
+CFG = dict(qfilters_budget=16, qfilters_n_sink=1, qfilters_recent=2, qfilters_calib_tokens=4,
+           qfilters_filter_source="keys")
 
 
 @pytest.fixture(scope="module", autouse=True)

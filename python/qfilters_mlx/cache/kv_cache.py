@@ -14,14 +14,12 @@ Data flow of one ``update_and_fetch(keys, values)`` call (DESIGN.md):
    earlier position), temporal order preserved;
 6. ``offset += L`` (absolute RoPE position, never the stored length).
 
-Because the filter comes from a fixed set of keys and selection is a pure
-function of (scores, number of tokens fed), the kept set does not depend on how
-the input was chunked.
+The kept set does not depend on how the input was chunked (the filter comes from
+a fixed set of keys; selection is a pure function of scores and tokens fed).
 
 Single-token calls after an eviction run in *slot mode* (:mod:`.slots`);
 ``trim`` rewinds exactly within ``qfilters_max_rewind`` tokens (:mod:`.rewind`,
-:mod:`.journal`); ``state``, pickling and copies are in :mod:`.persistence`,
-byte counts in :mod:`.accounting`.
+:mod:`.journal`); ``state``, copies and ``to_quantized`` in :mod:`.persistence`; bytes in :mod:`.accounting`.
 """
 
 from __future__ import annotations
@@ -345,25 +343,6 @@ class QFiltersKVCache(SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccounti
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
         self._to_temporal()
         return self.positions[:, :, : self._n]
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Refused: mlx-lm calls this for ``kv_bits`` / ``--kv-bits`` (``maybe_quantize_kv_cache``).
-
-        Raises:
-            ValueError: always; quantized storage of the kept keys/values does not
-                exist yet, and skipping quantization silently would break the promise.
-        """
-        raise ValueError(
-            f"kv_bits={bits} (KV-cache quantization) is not supported by QFiltersKVCache: "
-            "the kept keys/values are stored unquantized (quantized storage is not "
-            "implemented yet); run without kv_bits / --kv-bits"
-        )
-
-    def _note_observed(self, queries) -> None:
-        """Keep this call's queries in its journal record (re-applied on a partial rewind)."""
-        record = self._journal.last() if self._journal.active else None
-        if isinstance(record, CallRecord) and record.offset + record.tokens == self.offset:
-            record.observed = queries
 
 
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module:

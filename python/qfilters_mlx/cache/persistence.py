@@ -109,3 +109,16 @@ class PersistenceMixin:
         name = d["backend"]
         d["backend"] = get_backend(name if name in ("reference", "cpp") else "metal")
         self.__dict__.update(d)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """Refused: mlx-lm calls this for ``kv_bits`` / ``--kv-bits`` (``maybe_quantize_kv_cache``).
+
+        Raises:
+            ValueError: always; quantized storage of the kept keys/values does not
+                exist yet, and skipping quantization silently would break the promise.
+        """
+        raise ValueError(
+            f"kv_bits={bits} (KV-cache quantization) is not supported by QFiltersKVCache: "
+            "the kept keys/values are stored unquantized (quantized storage is not "
+            "implemented yet); run without kv_bits / --kv-bits"
+        )

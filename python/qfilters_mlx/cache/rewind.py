@@ -127,3 +127,9 @@ class RewindMixin:
         self._n = rec.n
         if rec.slots is not None:  # the call started in slot mode
             self._undo_layout(LayoutRecord(rec.slots))
+
+    def _note_observed(self, queries) -> None:
+        """Keep this call's queries in its journal record (re-applied on a partial rewind)."""
+        record = self._journal.last() if self._journal.active else None
+        if isinstance(record, CallRecord) and record.offset + record.tokens == self.offset:
+            record.observed = queries
