@@ -76,3 +76,27 @@ def test_round_trip_offset_beyond_int32_and_empty_cache(tmp_path):
     assert b.empty() and b.offset == 0 and b.evicted is False and b.layer_idx == 1
     b.update_and_fetch(k, k)
     assert b.size() == 8
+
+
+def test_reload_after_the_filters_file_moved(tmp_path):
+    """A cache built from a filters file saves the layer's filter itself: the file may be gone
+    when the prompt cache is loaded, and the reloaded cache continues bit for bit."""
+    rng = np.random.default_rng(3)
+    filters_path = tmp_path / "filters.safetensors"
+    filt = rng.standard_normal((2, 16)).astype(np.float32)
+    mx.save_safetensors(str(filters_path), {"x": mx.array(filt)})  # only has to exist
+    config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=4,
+                           qfilters_filters=str(filters_path), qfilters_backend="reference")
+    cache = QFiltersKVCache(config, filters=mx.array(filt))
+    k = mx.array(rng.standard_normal((1, 2, 41, 16)).astype(np.float32))
+    cache.update_and_fetch(k[:, :, :40], k[:, :, :40])
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, [cache])
+    filters_path.unlink()
+    (loaded,) = load_prompt_cache(path)
+    assert loaded.config.qfilters_filters is None and loaded.filter_fixed
+    np.testing.assert_array_equal(bits(loaded.filter), filt)
+    want = cache.update_and_fetch(k[:, :, 40:], k[:, :, 40:])
+    got = loaded.update_and_fetch(k[:, :, 40:], k[:, :, 40:])
+    np.testing.assert_array_equal(bits(got[0]), bits(want[0]))
+    np.testing.assert_array_equal(bits(loaded.kept_positions()), bits(cache.kept_positions()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import mlx.core as mx
 
@@ -61,7 +62,11 @@ class PersistenceMixin:
         keys, values, scores, positions, filt, queries, meta = v
         try:
             meta = json.loads(meta)
-            config = KVCacheConfig(**meta["config"])
+            fields = dict(meta["config"])
+            path = fields.get("qfilters_filters")
+            if isinstance(path, str) and not os.path.isfile(path):
+                fields["qfilters_filters"] = None  # moved since saving: the layer's slice is `filter`
+            config = KVCacheConfig(**fields)
             scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
                        bool(meta["filter_fixed"]))
             slots = meta.get("slots")

@@ -97,7 +97,10 @@ def run(parser, args, blas_library: str | None = None) -> int:
         parser.error("--text: too little text")
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
     tic = time.perf_counter()
-    filters = calibrate_filters(model, progress_chunks(chunks), samples=args.samples)
+    try:
+        filters = calibrate_filters(model, progress_chunks(chunks), samples=args.samples)
+    except ValueError as err:  # QueriesNotCaptured names the layers; shapes that do not fit
+        parser.error(str(err))
     save_filters(args.out, filters, model, calibration_text=source, calibration_tokens=len(ids),
                  samples_per_head=args.samples, model_path=str(model_path))
     print(f"Wrote {args.out}: filters {tuple(filters.shape)} from {len(ids)} tokens of {source} "

@@ -70,6 +70,7 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
     from qfilters_mlx import blas
     from qfilters_mlx.assets.prompts import PASS_KEY, answer_has_pass_key
     from qfilters_mlx.cache.builder import KVCacheBuilder
+    from qfilters_mlx.filters.capture import QueriesNotCaptured
 
     model, tokenizer = generation.load_model(parser, args, model_path)
     for token in args.extra_eos_token:
@@ -93,8 +94,11 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
         progress = generation.prefill_progress(f"[{i + 1}/{len(entries)}] {label} prefill")
         print(f"[{i + 1}/{len(entries)}] {label}: {cache_options.describe_config(config)}",
               file=sys.stderr, flush=True)
-        r = generation.run_generation(model, tokenizer, tokens, caches, args, draft=draft,
-                                      progress=progress)
+        try:
+            r = generation.run_generation(model, tokenizer, tokens, caches, args, draft=draft,
+                                          progress=progress)
+        except QueriesNotCaptured as err:  # names the layers; raised before their caches grow
+            parser.error(f"--compare {label}: {err}")
         s = summary.cache_summary(r.caches)
         rows.append([
             label,

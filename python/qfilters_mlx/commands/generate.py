@@ -152,6 +152,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     import mlx.core as mx
 
     from qfilters_mlx.cache.builder import KVCacheBuilder
+    from qfilters_mlx.filters.capture import QueriesNotCaptured
 
     if args.seed is not None:
         mx.random.seed(args.seed)
@@ -178,8 +179,11 @@ def run(parser, args, blas_library: str | None = None) -> int:
         print("=" * 10, flush=True)
     on_text = (lambda t: print(t, end="", flush=True)) if args.verbose else None
     progress = generation.prefill_progress(min_tokens=args.prefill_step_size) if args.verbose else None
-    result = generation.run_generation(model, tokenizer, tokens, caches, args, draft=draft,
-                                       on_text=on_text, progress=progress)
+    try:
+        result = generation.run_generation(model, tokenizer, tokens, caches, args, draft=draft,
+                                           on_text=on_text, progress=progress)
+    except QueriesNotCaptured as err:  # names the layers; raised before their caches grow
+        parser.error(str(err))
     if not args.verbose:
         print(result.text)
         return 0
@@ -197,8 +201,11 @@ def _summary_lines(model, model_path, config, result, shipped, blas_library, arg
     s = summary.cache_summary(result.caches)
     weights = summary.weight_bytes(model)
     backends = sorted({c.backend.name for c in result.caches if hasattr(c, "backend")})
+    from qfilters_mlx.cache.builder import describe
+
     lines = [
         ("Model", str(model_path)),
+        ("Layers", describe(result.caches)),
         ("BLAS", blas.describe(blas_library)),
         ("Cache config", f"{cache_options.describe_config(config)} backend={config.qfilters_backend} "
                          f"({','.join(backends) or 'none'})"),

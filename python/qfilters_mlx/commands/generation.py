@@ -200,5 +200,5 @@ def run_generation(model, tokenizer, prompt_tokens, caches, args, *, draft=None,
         generation_tps=last.generation_tps if last else 0.0,
         peak_memory=int(mx.get_peak_memory()),
         seconds=seconds,
-        caches=list(caches),
+        caches=caches,
     )

@@ -29,8 +29,9 @@ def cache_summary(caches) -> dict:
         (``full_bytes / kept_bytes``, 1.0 when nothing is kept).
     """
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+    from qfilters_mlx.model_info import walk
 
-    ours = [c for c in caches if isinstance(c, QFiltersKVCache)]
+    ours = [c for _, c in walk(caches) if isinstance(c, QFiltersKVCache)]  # CacheList members too
     kept = sum(c.qfilters_kept_bytes for c in ours)
     full = sum(c.full_seq_bytes for c in ours)
     return {
