@@ -2,8 +2,9 @@
 arms, timing, and the result files. Each script keeps only what it measures.
 
 Import it before anything that imports MLX (``import common`` from a script in this
-folder): it puts the checkout's ``python/`` first on ``sys.path`` (the benchmarks measure
-the tree they sit in) and loads fast BLAS (:func:`qfilters_mlx.blas.enable_fast_blas`).
+folder): it loads fast BLAS (:func:`qfilters_mlx.blas.enable_fast_blas`). The benchmarks
+measure the installed package (``pip install .``: the compiled ``cpp`` back end lives there);
+:func:`code_version` records whether the checkout's sources differ from the last commit.
 
 * Model: SmolLM2-135M-Instruct, float32 (:func:`load_model`); prompts are exactly ``N``
   tokens of CPython's reference documentation from token :data:`PROMPT_START` on
@@ -30,7 +31,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -38,8 +38,6 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-if str(ROOT / "python") not in sys.path:
-    sys.path.insert(0, str(ROOT / "python"))
 
 from qfilters_mlx.blas import enable_fast_blas  # noqa: E402
 
