@@ -29,9 +29,6 @@ CHUNKS = [6, 1, 3, 1]  # prefill, decode, a short block, decode
 TOKENS = [(5 * i + 3) % arch_models.VOCAB for i in range(40)]
 BUDGET = arch_matrix.BUILD_CONFIG.qfilters_budget
 
-# Checks that fail today only because of work merged from other branches.
-PENDING_DEEPCOPY = "pending_merge: deepcopy of the cpp backend is fixed in branch `rewind`"
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_compile():
@@ -149,20 +146,9 @@ def test_prompt_cache_file_round_trip(name, tmp_path):
     np.testing.assert_array_equal(_next_logits(model, loaded), _next_logits(model, caches))
 
 
-def _deepcopy_pending() -> bool:
-    """True while deepcopy of the default backend's cache fails (fixed in branch `rewind`)."""
-    try:
-        copy.deepcopy(QFiltersKVCache(KVCacheConfig(qfilters_filter_source="keys")))
-        return False
-    except TypeError:
-        return True
-
-
 @pytest.mark.parametrize("name", MODULES)
 def test_deepcopy_continues_like_the_original(name):
     model, caches = _evicted(name)
-    if _deepcopy_pending():
-        pytest.xfail(PENDING_DEEPCOPY)
     twin = copy.deepcopy(caches)
     want = _next_logits(model, caches)
     np.testing.assert_array_equal(_next_logits(model, twin), want)
@@ -194,7 +180,6 @@ def _readme_section():
 
 def test_readme_table_matches_the_matrix():
     section = _readme_section()
-    if section is None:
-        pytest.skip("README.md has no '## Architectures' section yet")
+    assert section is not None, "README.md has no '## Architectures' section (tools/arch_table.py)"
     table = [ln for ln in section.splitlines() if ln.startswith("|")]
     assert "\n".join(table) + "\n" == arch_matrix.markdown_table()

@@ -49,6 +49,11 @@ def test_library_and_cli_defaults_are_one_set():
         assert got == want
         assert config_of("--budget", str(budget), "--n-sink", str(n_sink)).qfilters_recent == want
     assert C.DEFAULT_KEY_SIGN == -1 and C.DEFAULT_RECENT_FRACTION == 0.5
+    # the key-SVD filter's sign: -1 in the library and the command line alike
+    assert KVCacheConfig(qfilters_filter_source="keys").qfilters_sign == -1
+    assert config_of("--filter-source", "keys").qfilters_sign == -1
+    assert KVCacheConfig(qfilters_filter_source="keys", qfilters_sign=1).qfilters_sign == 1
+    assert lib.qfilters_max_rewind == config_of().qfilters_max_rewind == 16
 
 
 def test_generate_parser_defaults():

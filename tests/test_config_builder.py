@@ -187,3 +187,14 @@ def test_install_builds_fresh_caches_for_every_generation():
     assert runs[0] == runs[1]
     with pytest.raises(ValueError, match="head_dim"):
         KVCacheBuilder.install(model, KVCacheConfig(head_dim=64, qfilters_recent=0, qfilters_filter_source="keys"))
+
+
+@pytest.mark.parametrize("kw", [{}, {"qfilters_filter_source": "keys", "qfilters_sign": "auto"}])
+def test_install_refuses_configs_that_need_observed_queries(kw):
+    """mlx-lm builds installed caches itself (generate, the server), outside observe_queries:
+    the query filter could never be estimated, so install refuses it and changes nothing."""
+    model = tiny_llama(head_dim=16)
+    before = model.make_cache
+    with pytest.raises(ValueError, match=r"install: .*observed queries.*qfilters_filter_source='keys'"):
+        KVCacheBuilder.install(model, KVCacheConfig(qfilters_budget=16, **kw))
+    assert model.make_cache == before

@@ -197,3 +197,18 @@ def test_lru_prompt_cache_second_request_sharing_a_prefix():
             np.testing.assert_array_equal(np.array(a), np.array(b))
     with pytest.raises(ValueError, match="cannot rewind"):
         lru.fetch_nearest_cache("m", tokens[:10] + [1, 2])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_cache_waiting_for_queries_is_not_observed(how):
+    """A copy is not the cache an observe_queries block registered: its first update outside one
+    raises (never grows unobserved), like a fresh cache's."""
+    c = QFiltersKVCache(KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_calib_tokens=8))
+    k = mx.array(np.random.default_rng(0).standard_normal((1, 2, 4, 8)).astype(np.float32))
+    c.queries_observed = True  # as inside observe_queries
+    c.update_and_fetch(k, k)
+    twin = copy.deepcopy(c) if how == "deepcopy" else pickle.loads(pickle.dumps(c))
+    assert c.queries_observed and not twin.queries_observed
+    with pytest.raises(ValueError, match="observe_queries"):
+        twin.update_and_fetch(k, k)
+    assert twin.offset == 4

@@ -1,5 +1,7 @@
 """Exact rewinds after an eviction (CASES 6, 12): the journal, ``trim``, speculative decoding."""
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
+from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache, observe_queries
 
 METHODS = ["qfilters", "l2norm", "streaming_llm", "random"]
 
@@ -188,6 +190,11 @@ def replay_accepted(config, prompt, spec):
     """The main model fed, from scratch, only what speculative decoding accepted, in the same
     calls minus the rejected drafts: ``prompt[:-1]``, then per round ``[y, accepted drafts]``."""
     caches = KVCacheBuilder.for_model(MAIN, config)
+    with observe_queries(MAIN, caches) if config.needs_queries else contextlib.nullcontext():
+        return _replay(prompt, spec, caches)
+
+
+def _replay(prompt, spec, caches):
     MAIN(prompt[None, :-1], cache=caches)
     y, out, i = int(prompt[-1]), [], 0
     while i < len(spec):
@@ -273,3 +280,30 @@ def test_cases_12_offset_after_speculative_decoding_with_eviction():
                                    prompt_cache=plain))
     assert all(c.evicted and c.size() == 16 for c in caches)
     assert [c.offset for c in caches] == [plain[0].offset] * 2 == [59, 59]
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_speculative_with_the_query_filter_and_eviction_caches_on_the_draft(seed):
+    """The command line's --draft-model setup: the main model on the default query filter inside
+    observe_queries, the draft on eviction caches too (the key-SVD filter, draft_config: one
+    observed model). Both hold their budgets; every token is what the main model gives when fed
+    only the accepted tokens, and the main caches keep what that replay keeps."""
+    from qfilters_mlx.commands.generation import draft_config
+
+    config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_calib_tokens=8,
+                           qfilters_max_rewind=8)
+    assert config.needs_queries and not draft_config(config).needs_queries
+    assert draft_config(config).qfilters_sign == -1
+    prompt = prompt_tokens(seed, 30)
+    main = KVCacheBuilder.for_model(MAIN, config)
+    draft = KVCacheBuilder.for_model(DRAFT, draft_config(config))
+    with observe_queries(MAIN, main):
+        spec = [(int(t), bool(d)) for t, _, d in speculative_generate_step(
+            prompt, MAIN, DRAFT, num_draft_tokens=3, max_tokens=24, prompt_cache=main + draft)]
+    assert any(not d for _, d in spec[:-1]), "the draft should disagree sometimes"
+    assert all(c.evicted and c.size() == 16 and c.filter is not None for c in main + draft)
+    tokens, ref = replay_accepted(config, prompt, spec)
+    assert tokens == [t for t, _ in spec]
+    for a, b in zip(main, ref):
+        assert a.offset == b.offset
+        assert_same_kept_up_to_key_ulps(a, b)

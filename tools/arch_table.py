@@ -1,6 +1,6 @@
 """Print (or write) the README's architecture table from the architecture matrix.
 
-Usage: ``PYTHONPATH=python python tools/arch_table.py [OUT.md]``. The rows come
+Usage: ``python tools/arch_table.py [OUT.md]`` (the installed package). The rows come
 from ``tests/arch_matrix.py``, the same code ``tests/test_architectures.py``
 checks; ``test_readme_table_matches_the_matrix`` compares README.md's
 "## Architectures" section with this output.

@@ -258,18 +258,31 @@ def test_prompt_cache_file_of_plain_caches_is_refused(model_and_tokenizer, tmp_p
     assert "holds no eviction caches" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(reason="pending_merge: rewind", strict=False)
 def test_draft_model_gives_the_tokens_of_plain_greedy(model_path, short_prompt, capsys):
-    """Speculative decoding with our caches (on model and draft) after eviction must give
-    exactly the greedy tokens of the same configuration without a draft."""
+    """Speculative decoding with our caches on model and draft (the draft on the key-SVD filter,
+    the main model on the default query filter): with a budget above the sequence, exactly the
+    greedy tokens of the same configuration without a draft (mlx-lm's contract). After an
+    eviction a multi-token verify call can attend to tokens one-token decoding has evicted
+    (README, "Speculative decoding"); the exact-rewind property there is tests/test_rewind.py's."""
     from qfilters_mlx.commands.cli import main
 
-    common = ["generate", "--prompt-file", short_prompt, "--budget", "64", "--max-tokens", "16",
+    common = ["generate", "--prompt-file", short_prompt, "--budget", "1024", "--max-tokens", "16",
               "--verbose", "F", "--prefill-step-size", "128"]
     assert main(common) == 0
     plain = capsys.readouterr().out
     assert main([*common, "--draft-model", str(model_path), "--num-draft-tokens", "3"]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_draft_tokens_beyond_the_rewind_depth_are_refused(model_path, short_prompt, capsys):
+    from qfilters_mlx.commands.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt-file", short_prompt, "--budget", "64", "--max-tokens", "4",
+              "--draft-model", str(model_path), "--num-draft-tokens", "20", "--max-rewind", "8"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--num-draft-tokens 20 is more than the caches can rewind" in err and "--max-rewind 8" in err
 
 
 def test_calibrate_shows_progress_without_tokenizer_warning(model_path, tmp_path, capfd):

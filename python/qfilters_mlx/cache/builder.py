@@ -197,7 +197,28 @@ class KVCacheBuilder:
         per request. Validates like :meth:`for_model` (errors are raised here, not
         at the first generation); the model is probed once, here. Returns the
         :class:`BuildReport`.
+
+        mlx-lm builds these caches inside ``generate`` or its server, where no
+        ``observe_queries`` can wrap them, so a configuration that needs observed
+        queries (the default query filter, ``sign="auto"``) is refused here; use
+        ``qfilters_filter_source="keys"`` or a calibrated filters file
+        (``qfilters_filters=``). For ``mlx_lm.server``'s prompt-cache reuse see
+        README ("mlx-lm's server prompt cache": ``qfilters_max_rewind``).
+
+        Raises:
+            ValueError: what :meth:`for_model` raises, or ``config.needs_queries``.
         """
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if config.needs_queries:
+            raise ValueError(
+                "install: this configuration estimates its filter from observed queries "
+                f"(qfilters_filter_source={config.qfilters_filter_source!r}, qfilters_sign="
+                f"{config.qfilters_sign!r}), but caches that mlx-lm builds itself (model.make_cache "
+                "in generate or mlx_lm.server) run outside observe_queries: use "
+                "qfilters_filter_source='keys' (sign -1 by default) or qfilters_filters=FILE from "
+                "`qfilters-mlx calibrate`, or build caches with for_model and generate inside "
+                "observe_queries")
         report = KVCacheBuilder.for_model(model, config).report  # validate now
         slots, filters = report.budgeted + report.kept, _layer_filters(model, config)
         model.make_cache = lambda *_a, **_k: KVCacheBuilder._build(config, slots, report.budgeted,

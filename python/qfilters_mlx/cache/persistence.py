@@ -113,6 +113,10 @@ class PersistenceMixin:
         d = dict(d)
         name = d["backend"]
         d["backend"] = get_backend(name if name in ("reference", "cpp") else "metal")
+        # A copy is not the cache an observe_queries block registered: it must be observed
+        # on its own before it may grow (never a silently unobserved copy).
+        d["queries_observed"] = False
+        d["_queries_pending"] = False
         self.__dict__.update(d)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):

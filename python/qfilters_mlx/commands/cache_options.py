@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import sys
 
-from qfilters_mlx.config import DEFAULT_KEY_SIGN, KVCacheConfig
+from qfilters_mlx.config import KVCacheConfig
 
 __all__ = ["applicable_flags", "config_from_args", "describe_config", "ignored_flags",
            "warn_ignored"]
@@ -28,6 +28,7 @@ FIELD_FLAGS = {
     "qfilters_seed": "--seed",
     "qfilters_filter_source": "--filter-source",
     "qfilters_filters": "--filters",
+    "qfilters_max_rewind": "--max-rewind",
 }
 
 _CACHE_FLAGS = ("budget", "max_kv_size", "n_sink", "recent", "calib_tokens", "filter_source",
@@ -99,8 +100,8 @@ def config_from_args(parser, args, method: str | None = None, budget: int | None
                         ("sign", "qfilters_sign")):
         if name in given:
             kwargs[field] = given[name]
-    if "sign" in keep and "sign" not in given and given.get("filter_source") == "keys":
-        kwargs["qfilters_sign"] = DEFAULT_KEY_SIGN
+    if getattr(args, "max_rewind", None) is not None:
+        kwargs["qfilters_max_rewind"] = args.max_rewind
     try:
         config = KVCacheConfig(**kwargs)
         from qfilters_mlx.backends.dispatch import get_backend

@@ -10,7 +10,6 @@ their share of the weights' bytes), prompt and generation tokens/s, peak memory.
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 from qfilters_mlx.commands import cache_options, generation, summary
 from qfilters_mlx.commands.model_path import resolve_model
@@ -77,7 +76,7 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
         tokenizer.add_eos_token(token)
     draft_model = None
     if draft_path is not None:
-        draft_model, _ = generation.load_model(parser, args, draft_path, "--draft-model")
+        draft_model, draft_tokenizer = generation.load_model(parser, args, draft_path, "--draft-model")
     tokens = generation.build_prompt(parser, args, tokenizer, text)
     weights = summary.weight_bytes(model)
     rows = []
@@ -87,8 +86,8 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
             mx.random.seed(args.seed)  # every entry samples from the same state
         try:
             caches = KVCacheBuilder.for_model(model, config)
-            draft = None if draft_model is None else (
-                draft_model, KVCacheBuilder.for_model(draft_model, replace(config, head_dim=None)))
+            draft = None if draft_model is None else generation.build_draft(
+                parser, args, draft_model, draft_tokenizer, tokenizer, config, f"--compare {label}")
         except (ValueError, TypeError, OSError, RuntimeError) as err:
             parser.error(f"--compare {label}: {err}")
         progress = generation.prefill_progress(f"[{i + 1}/{len(entries)}] {label} prefill")

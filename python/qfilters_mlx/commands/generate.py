@@ -12,7 +12,6 @@ whether the answer contains its pass key.
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 from qfilters_mlx.commands import cache_options, generation, options, summary
 from qfilters_mlx.commands.model_path import resolve_model
@@ -166,9 +165,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
         draft = None
         if draft_path is not None:
             draft_model, draft_tokenizer = generation.load_model(parser, args, draft_path, "--draft-model")
-            if draft_tokenizer.vocab_size != tokenizer.vocab_size:
-                parser.error("--draft-model: its tokenizer does not match the model's")
-            draft = (draft_model, KVCacheBuilder.for_model(draft_model, replace(config, head_dim=None)))
+            draft = generation.build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         parser.error(f"--filters {args.filters}: {err}" if args.filters else str(err))
     if loaded is not None and len(loaded) != len(model.layers):

@@ -132,6 +132,33 @@ def build_prompt(parser, args, tokenizer, text: str, *, continue_final: bool = F
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
+def draft_config(config):
+    """The draft model's cache configuration for ``--draft-model``: ``config`` with the draft's
+    own head width; a configuration that needs observed queries (query filter, ``sign="auto"``)
+    becomes the key-SVD filter with its default sign, because ``observe_queries`` watches one
+    model (the main one) and the draft's caches would otherwise never get their queries."""
+    from dataclasses import replace
+
+    if config.needs_queries:
+        return replace(config, head_dim=None, qfilters_filter_source="keys", qfilters_sign=None)
+    return replace(config, head_dim=None)
+
+
+def build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config, flag="--draft-model"):
+    """``(draft_model, draft caches)`` after the checks speculative decoding needs: the same
+    vocabulary, and rewinds deep enough for ``--num-draft-tokens`` rejected drafts (mlx-lm trims
+    up to that many tokens from both models' caches; a deeper rewind would raise mid-generation).
+    Errors go to ``parser.error``."""
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+
+    if draft_tokenizer is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        parser.error(f"{flag}: its tokenizer does not match the model's")
+    if config.method != "full" and args.num_draft_tokens > config.qfilters_max_rewind:
+        parser.error(f"--num-draft-tokens {args.num_draft_tokens} is more than the caches can rewind "
+                     f"after an eviction (--max-rewind {config.qfilters_max_rewind}): raise --max-rewind")
+    return draft_model, KVCacheBuilder.for_model(draft_model, draft_config(config))
+
+
 def make_sampler_from_args(args):
     """mlx-lm's sampler for the sampling flags."""
     from mlx_lm.sample_utils import make_sampler
@@ -175,16 +202,16 @@ def run_generation(model, tokenizer, prompt_tokens, caches, args, *, draft=None,
     from qfilters_mlx.filters.observe import observe_queries
 
     kwargs = {}
-    observed = list(caches)
-    if draft is not None:
+    everything = list(caches)
+    if draft is not None:  # the draft's caches never need queries (see draft_config)
         kwargs.update(draft_model=draft[0], num_draft_tokens=args.num_draft_tokens)
-        observed += list(draft[1])
+        everything += list(draft[1])
     mx.reset_peak_memory()
     pieces, last = [], None
     tic = time.perf_counter()
-    with observe_queries(model, observed):  # feeds queries to query-based filters
+    with observe_queries(model, caches):  # feeds queries to query-based filters
         for last in stream_generate(model, tokenizer, prompt_tokens, max_tokens=args.max_tokens,
-                                    sampler=make_sampler_from_args(args), prompt_cache=observed,
+                                    sampler=make_sampler_from_args(args), prompt_cache=everything,
                                     prefill_step_size=args.prefill_step_size,
                                     prompt_progress_callback=progress, **kwargs):
             pieces.append(last.text)

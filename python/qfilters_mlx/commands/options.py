@@ -131,3 +131,7 @@ def add_cache_args(group) -> None:
                             "at once; --calib-tokens, --filter-source and --sign then do nothing)")
     group.add_argument("--backend", choices=BACKENDS, default="auto",
                        help="eviction kernel backend (default auto)")
+    group.add_argument("--max-rewind", type=int, default=None, metavar="N",
+                       help="tokens a cache can rewind exactly after evicting (speculative "
+                            "decoding's rejected drafts; default 16; must be at least "
+                            "--num-draft-tokens with --draft-model)")
