@@ -43,7 +43,7 @@ def test_invariants_after_every_call(sc):
     k = mx.array(keys_np)
     cfg = KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=n_sink,
                         qfilters_recent=recent, qfilters_calib_tokens=calib,
-                        qfilters_backend="reference", qfilters_filter_source="keys")
+                        qfilters_backend="reference", qfilters_filter_source="keys", qfilters_sign=1)
     c = QFiltersKVCache(cfg)
     eff_recent = cfg.protected_recent
     fed = 0
