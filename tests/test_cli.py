@@ -53,7 +53,9 @@ def test_library_and_cli_defaults_are_one_set():
     assert KVCacheConfig(qfilters_filter_source="keys").qfilters_sign == -1
     assert config_of("--filter-source", "keys").qfilters_sign == -1
     assert KVCacheConfig(qfilters_filter_source="keys", qfilters_sign=1).qfilters_sign == 1
-    assert lib.qfilters_max_rewind == config_of().qfilters_max_rewind == 16
+    assert lib.qfilters_max_rewind == config_of().qfilters_max_rewind == 0  # no journal cost
+    assert config_of("--draft-model", "D", "--num-draft-tokens", "5").qfilters_max_rewind == 5
+    assert config_of("--draft-model", "D", "--max-rewind", "9").qfilters_max_rewind == 9
 
 
 def test_generate_parser_defaults():

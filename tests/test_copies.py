@@ -29,7 +29,7 @@ def available_backends():
 
 def config(backend="auto", method="qfilters", **kw):
     base = dict(method=method, qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
-                qfilters_calib_tokens=8, qfilters_backend=backend,
+                qfilters_calib_tokens=8, qfilters_backend=backend, qfilters_max_rewind=16,
                 qfilters_filter_source="keys")
     return KVCacheConfig(**{**base, **kw})
 
@@ -101,7 +101,7 @@ def tiny_llama(seed=0):
 
 MODEL = tiny_llama()
 CFG = KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2, qfilters_calib_tokens=8,
-                    qfilters_filter_source="keys")
+                    qfilters_filter_source="keys", qfilters_max_rewind=16)
 
 
 def greedy(caches, first, steps):
@@ -212,3 +212,30 @@ def test_a_copy_of_a_cache_waiting_for_queries_is_not_observed(how):
     with pytest.raises(ValueError, match="observe_queries"):
         twin.update_and_fetch(k, k)
     assert twin.offset == 4
+
+
+def test_lru_prompt_cache_with_the_default_depth_falls_back_to_a_stored_prefix():
+    """With the default qfilters_max_rewind=0 an evicted cache is not trimmable: mlx-lm's
+    LRUPromptCache keeps the shorter stored prefix and a diverging request gets a copy of that
+    (never a failed request), which continues exactly like the prefix's own cache."""
+    cfg = KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
+                        qfilters_calib_tokens=8, qfilters_filter_source="keys")
+    assert cfg.qfilters_max_rewind == 0
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 61, 20)]
+    lru = LRUPromptCache()
+    short = KVCacheBuilder.for_model(MODEL, cfg)
+    MODEL(mx.array(prompt, mx.uint32)[None], cache=short)
+    assert all(c.evicted and not c.is_trimmable() for c in short)
+    reference = copy.deepcopy(short)
+    lru.insert_cache("m", prompt, short)
+    longer = copy.deepcopy(short)
+    tokens = prompt + [3, 4, 5, 6]
+    MODEL(mx.array(tokens[20:], mx.uint32)[None], cache=longer)
+    lru.insert_cache("m", tokens, longer)
+    assert len(lru) == 2  # the shorter entry is kept (the longer one cannot be trimmed)
+    second = prompt + [9, 9]
+    fetched, rest = lru.fetch_nearest_cache("m", second)
+    assert rest == [9, 9] and [c.offset for c in fetched] == [20, 20]
+    got = MODEL(mx.array(rest, mx.uint32)[None], cache=fetched)
+    want = MODEL(mx.array(rest, mx.uint32)[None], cache=reference)
+    np.testing.assert_array_equal(np.array(got), np.array(want))

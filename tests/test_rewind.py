@@ -133,13 +133,14 @@ def test_rewind_beyond_the_journal_raises_before_changing_anything():
 def test_depth_zero_keeps_nothing_and_refuses_rewinds_after_eviction():
     k, v = rand_kv(2)
     c = QFiltersKVCache(cfg(depth=0))
-    assert not c.is_trimmable()  # mlx-lm refuses speculative decoding up front
+    assert c.is_trimmable()  # nothing evicted: every token stored, a plain trim is exact
     c.update_and_fetch(k[:, :, :10], v[:, :, :10])
     assert c.trim(3) == 3 and c.offset == 7  # before any eviction: a plain trim
     c.update_and_fetch(k[:, :, 7:40], v[:, :, 7:40])
-    assert c.evicted and c.journal_nbytes == 0
-    with pytest.raises(ValueError, match="cannot rewind"):
+    assert c.evicted and c.journal_nbytes == 0 and not c.is_trimmable()
+    with pytest.raises(ValueError, match="cannot rewind 1 tokens.*qfilters_max_rewind=0"):
         c.trim(1)
+    assert c.offset == 40  # nothing changed
     with pytest.raises(ValueError, match="qfilters_max_rewind"):
         KVCacheConfig(qfilters_max_rewind=-1)
     with pytest.raises(TypeError, match="qfilters_max_rewind"):
@@ -256,7 +257,7 @@ def test_speculative_equals_greedy_while_nothing_is_evicted(method):
     """With a budget above the sequence, speculative decoding gives plain greedy decoding's
     tokens (mlx-lm's own contract) and ends at the same offset as mlx-lm's KVCache."""
     config = KVCacheConfig(method=method, qfilters_budget=256, qfilters_n_sink=2, qfilters_recent=0,
-                           qfilters_calib_tokens=8, qfilters_filter_source="keys")
+                           qfilters_calib_tokens=8, qfilters_filter_source="keys", qfilters_max_rewind=3)
     prompt = prompt_tokens(5, 30)
     spec, caches = speculative(config, prompt, 3, 20)
     greedy = [int(t) for t, _ in generate_step(prompt, MAIN, max_tokens=20,
@@ -272,7 +273,7 @@ def test_cases_12_offset_after_speculative_decoding_with_eviction():
     """CASES 12: a draft that disagrees, 3 draft tokens, budget 16, a 40-token prompt, 20 tokens:
     the main caches end at the offset a plain cache reaches (59), not 116."""
     config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=0, qfilters_calib_tokens=8,
-                           qfilters_filter_source="keys")
+                           qfilters_filter_source="keys", qfilters_max_rewind=3)
     prompt = prompt_tokens(7, 40)
     spec, caches = speculative(config, prompt, 3, 20)
     plain = make_prompt_cache(MAIN) + make_prompt_cache(DRAFT)

@@ -128,7 +128,12 @@ class KVCacheConfig:
             (speculative decoding's rejected drafts, prompt-cache prefixes): the
             cache keeps what its last calls overwrote or evicted (see
             ``qfilters_mlx.cache.journal``; counted in ``nbytes``). Deeper rewinds
-            raise. ``0`` keeps nothing and makes ``is_trimmable()`` False.
+            raise. ``0`` (default) keeps nothing: ``is_trimmable()`` is then False after
+            the first eviction (mlx-lm's server reuses only stored prefixes) and a
+            rewind after it raises ``ValueError`` naming this field. Default 0 because the journal doubles the cache's
+            decode-step cost (``bench/results/rewind.md``: 1.3 -> 2.7 ms per step over
+            30 layers at budget 256); set it to at least ``num_draft_tokens`` for
+            speculative decoding (``qfilters-mlx generate --draft-model`` does).
 
     Raises:
         ValueError: budget < 1 or None, n_sink < 0, recent < 0, max_rewind < 0,
@@ -148,7 +153,7 @@ class KVCacheConfig:
     qfilters_seed: int = 0
     qfilters_backend: str = "auto"
     qfilters_filter_source: str = DEFAULT_FILTER_SOURCE
-    qfilters_max_rewind: int = 16
+    qfilters_max_rewind: int = 0
     qfilters_filters: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -20,13 +20,16 @@ class RewindMixin:
     def is_trimmable(self) -> bool:
         """Whether mlx-lm may rewind this cache (speculative decoding, prompt-cache reuse).
 
-        True for ``method="full"`` and whenever ``qfilters_max_rewind > 0``
-        (rewinds of up to that many tokens stay exact after an eviction; deeper
-        ones raise). False with ``qfilters_max_rewind=0``: mlx-lm then refuses
-        speculative decoding up front instead of meeting a silent no-op later
-        (``trim`` itself still works before any eviction).
+        True for ``method="full"``, before any eviction (every token is stored:
+        a plain trim is exact), and whenever ``qfilters_max_rewind > 0`` (rewinds
+        of up to that many tokens stay exact after an eviction; deeper ones
+        raise). False after an eviction with ``qfilters_max_rewind=0`` (the
+        default): mlx-lm's server then reuses only stored prefixes, and a
+        ``trim`` that mlx-lm decided on earlier (speculative decoding, whose
+        check runs once before the prompt) raises ``ValueError`` naming
+        ``qfilters_max_rewind``: never a silent no-op.
         """
-        return self.method == "full" or self.config.qfilters_max_rewind > 0
+        return self.method == "full" or self.config.qfilters_max_rewind > 0 or not self.evicted
 
     @property
     def rewindable_tokens(self) -> int:
@@ -69,7 +72,8 @@ class RewindMixin:
             raise ValueError(
                 f"cannot rewind {n} tokens after an eviction: this cache can restore the last "
                 f"{can} (qfilters_max_rewind={self.config.qfilters_max_rewind}; a cache loaded "
-                "from a file restores only what it saw since)"
+                "from a file restores only what it saw since); for speculative decoding set "
+                "qfilters_max_rewind >= num_draft_tokens (qfilters-mlx: --max-rewind)"
             )
         left = n
         while left > 0:

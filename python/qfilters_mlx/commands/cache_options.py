@@ -102,6 +102,8 @@ def config_from_args(parser, args, method: str | None = None, budget: int | None
             kwargs[field] = given[name]
     if getattr(args, "max_rewind", None) is not None:
         kwargs["qfilters_max_rewind"] = args.max_rewind
+    elif getattr(args, "draft_model", None) is not None:  # rewinds only speculative decoding needs
+        kwargs["qfilters_max_rewind"] = args.num_draft_tokens
     try:
         config = KVCacheConfig(**kwargs)
         from qfilters_mlx.backends.dispatch import get_backend

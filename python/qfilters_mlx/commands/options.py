@@ -133,5 +133,5 @@ def add_cache_args(group) -> None:
                        help="eviction kernel backend (default auto)")
     group.add_argument("--max-rewind", type=int, default=None, metavar="N",
                        help="tokens a cache can rewind exactly after evicting (speculative "
-                            "decoding's rejected drafts; default 16; must be at least "
-                            "--num-draft-tokens with --draft-model)")
+                            "decoding's rejected drafts; default 0, or --num-draft-tokens with "
+                            "--draft-model; must be at least --num-draft-tokens there)")
