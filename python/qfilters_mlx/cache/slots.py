@@ -130,9 +130,11 @@ class SlotModeMixin:
         primitive in the cpp backend; ``decode_select`` of the method's score otherwise)."""
         c = self.config
         entering = self._free is None
-        record = StepRecord(free=self._free, rows=self._victim_rows, n=self._n,
-                            scores=self.scores if entering else None,
-                            positions=self.positions if entering else None)
+        record = None  # journaled only when rewinds are on (the default, depth 0, skips it)
+        if self._journal.active:
+            record = StepRecord(free=self._free, rows=self._victim_rows, n=self._n,
+                                scores=self.scores if entering else None,
+                                positions=self.positions if entering else None)
         if self._free is None:  # enter slot mode: one spare row after the kept ones
             n = self._n
             spare = lambda buf: mx.concatenate([buf[:, :, :n], buf[:, :, :1]], axis=2)  # noqa: E731
@@ -161,7 +163,7 @@ class SlotModeMixin:
                 c.qfilters_n_sink, c.protected_recent,
             )
         self.offset += 1
-        if not self._journal.active:
+        if record is None:
             return self.keys, self.values
         self._journal.push(record)
         idx = self._free[:, :, None]
