@@ -131,7 +131,7 @@ class KVCacheConfig:
             raise. ``0`` (default) keeps nothing: ``is_trimmable()`` is then False after
             the first eviction (mlx-lm's server reuses only stored prefixes) and a
             rewind after it raises ``ValueError`` naming this field. Default 0 because the journal doubles the cache's
-            decode-step cost (``bench/results/rewind.md``: 1.3 -> 2.7 ms per step over
+            decode-step cost (``bench/results/rewind.md``: 1.4 -> 3.3 ms per step over
             30 layers at budget 256); set it to at least ``num_draft_tokens`` for
             speculative decoding (``qfilters-mlx generate --draft-model`` does).
 
