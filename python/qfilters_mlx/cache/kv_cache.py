@@ -19,7 +19,8 @@ a fixed set of keys; selection is a pure function of scores and tokens fed).
 
 Single-token calls after an eviction run in *slot mode* (:mod:`.slots`);
 ``trim`` rewinds exactly within ``qfilters_max_rewind`` tokens (:mod:`.rewind`,
-:mod:`.journal`); ``state``, copies and ``to_quantized`` in :mod:`.persistence`; bytes in :mod:`.accounting`.
+:mod:`.journal`); ``state``, copies and ``to_quantized`` in :mod:`.persistence`; bytes in :mod:`.accounting`;
+input checks in :mod:`.validation`.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from qfilters_mlx.cache.persistence import PersistenceMixin
 from qfilters_mlx.cache.rewind import RewindMixin
 from qfilters_mlx.cache.scorers import insertion_scores
 from qfilters_mlx.cache.slots import SlotModeMixin
+from qfilters_mlx.cache.validation import ValidationMixin
 from qfilters_mlx.config import KVCacheConfig
 
 __all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache"]
 
 
-class QFiltersKVCache(SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
+class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
     """Eviction KV cache for one attention layer.
 
     Args:
@@ -120,62 +122,6 @@ class QFiltersKVCache(SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccounti
     def scoring_ready(self) -> bool:
         """Whether new tokens can be scored (the filter exists, or none is needed)."""
         return not self._needs_filter or self.filter is not None
-
-    def _validate(self, keys, values) -> None:
-        for name, x in (("keys", keys), ("values", values)):
-            if not isinstance(x, mx.array):
-                raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")
-            if x.ndim != 4:
-                raise ValueError(f"{name} must be [B, H_kv, L, D], got shape {tuple(x.shape)}")
-            if not mx.issubdtype(x.dtype, mx.floating):
-                raise TypeError(f"{name} must be a floating dtype, got {x.dtype}")
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys and values must agree on [B, H_kv, L], got {tuple(keys.shape)} "
-                f"and {tuple(values.shape)}"
-            )
-        if keys.dtype != values.dtype:
-            raise TypeError(f"keys and values must share a dtype, got {keys.dtype} and {values.dtype}")
-        if keys.shape[2] == 0:
-            raise ValueError("keys must hold at least one token (L >= 1)")
-        if self.needs_queries and not self.queries_observed:
-            raise ValueError(
-                "this cache estimates its filter from queries (qfilters_sign='auto' or "
-                "qfilters_filter_source='queries'): run the model inside "
-                "`with qfilters_mlx.observe_queries(model, caches):`"
-            )
-        if self.needs_queries and getattr(self, "_queries_pending", False):
-            raise ValueError(
-                f"layer {self.layer_idx}: the queries of the previous update_and_fetch never arrived "
-                "(observe_queries did not see this layer's attention), so this cache cannot estimate "
-                "its filter and would grow past its budget; use qfilters_filter_source='keys' with "
-                "qfilters_sign=+1 or -1, or filters from a file (`qfilters-mlx calibrate`)"
-            )
-        if self.filter is not None and tuple(self.filter.shape) != (keys.shape[1], keys.shape[3]):
-            raise ValueError(
-                f"filters shape {tuple(self.filter.shape)} does not match keys "
-                f"[H_kv, D] = {(keys.shape[1], keys.shape[3])}"
-            )
-        hd = self.config.head_dim
-        if hd is not None and keys.shape[3] != hd:
-            raise ValueError(f"keys head_dim {keys.shape[3]} does not match config.head_dim {hd}")
-        if self.keys is not None:
-            B, H, _, D = self.keys.shape
-            if (keys.shape[0], keys.shape[1], keys.shape[3]) != (B, H, D):
-                raise ValueError(
-                    f"keys [B, H_kv, L, D] = {tuple(keys.shape)} do not match the cache "
-                    f"(B={B}, H_kv={H}, D={D})"
-                )
-            if values.shape[3] != self.values.shape[3]:
-                raise ValueError(
-                    f"values head_dim {values.shape[3]} does not match the cache "
-                    f"({self.values.shape[3]})"
-                )
-            if keys.dtype != self.keys.dtype:
-                raise TypeError(f"keys dtype {keys.dtype} does not match the cache ({self.keys.dtype})")
-        # Checks passed: the update goes ahead; a cache waiting for queries expects this
-        # call's queries (observe_queries) before its next update.
-        self._queries_pending = self.needs_queries
 
     def _append(self, keys, values) -> None:
         """Write the new rows after the live ones, growing buffers in ``step`` blocks."""
