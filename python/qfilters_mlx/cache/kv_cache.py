@@ -34,6 +34,7 @@ from mlx_lm.models.cache import _BaseCache
 from qfilters_mlx.backends import reference
 from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.accounting import FILTER_BYTES_PER_ELEMENT, ByteAccountingMixin
+from qfilters_mlx.cache.batch import BatchQFiltersCache
 from qfilters_mlx.cache.journal import CallRecord, RewindJournal, dropped_rows
 from qfilters_mlx.cache.persistence import PersistenceMixin
 from qfilters_mlx.cache.rewind import RewindMixin
@@ -285,6 +286,11 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
     def empty(self) -> bool:
         return self.keys is None
 
+    @classmethod
+    def merge(cls, caches) -> BatchQFiltersCache:
+        """Batch per-sequence caches (mlx-lm's ``BatchGenerator``): see :mod:`.batch`."""
+        return BatchQFiltersCache.merge(caches)
+
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
         self._to_temporal()
@@ -294,3 +300,4 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module:
 # make ours resolvable there (adds a name; changes nothing else in mlx-lm).
 mlx_cache.QFiltersKVCache = QFiltersKVCache
+BatchQFiltersCache.row_class = QFiltersKVCache
