@@ -4,8 +4,9 @@ Subcommands: ``prepare-model`` (:mod:`~qfilters_mlx.commands.prepare`), ``genera
 (:mod:`~qfilters_mlx.commands.generate`, with ``--compare`` in
 :mod:`~qfilters_mlx.commands.compare`), ``cache-prompt``
 (:mod:`~qfilters_mlx.commands.cache_prompt`), ``calibrate``
-(:mod:`~qfilters_mlx.commands.calibrate`) and ``eval``
-(:mod:`~qfilters_mlx.commands.eval`). Each module has ``add_parser(sub)`` and
+(:mod:`~qfilters_mlx.commands.calibrate`), ``eval``
+(:mod:`~qfilters_mlx.commands.eval`) and ``server``
+(:mod:`~qfilters_mlx.commands.server`). Each module has ``add_parser(sub)`` and
 ``run(parser, args, blas_library)``.
 
 Fast BLAS on Linux: :func:`main` calls :func:`qfilters_mlx.blas.ensure_fast_blas`
@@ -30,13 +31,14 @@ _MODULE = "qfilters_mlx.commands.cli"
 def build_parser() -> argparse.ArgumentParser:
     """The ``qfilters-mlx`` argument parser (imports mlx through the config module)."""
     from qfilters_mlx import __version__
-    from qfilters_mlx.commands import cache_prompt, calibrate, eval as eval_command, generate, prepare
+    from qfilters_mlx.commands import (cache_prompt, calibrate, eval as eval_command, generate,
+                                       prepare, server)
 
     parser = argparse.ArgumentParser(prog="qfilters-mlx",
                                      description="Q-Filters KV-cache eviction for MLX / mlx-lm.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (prepare, generate, cache_prompt, calibrate, eval_command):
+    for module in (prepare, generate, cache_prompt, calibrate, eval_command, server):
         module.add_parser(sub)
     return parser
 
@@ -56,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
     blas_library = ensure_fast_blas(_MODULE if argv is None else None)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "passes_through", False):  # `server`: the rest goes to mlx_lm.server
+        args.server_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args._run(args._parser, args, blas_library)
 
 
