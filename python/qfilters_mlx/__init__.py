@@ -18,6 +18,7 @@ _EXPORTS = {
     "KVCacheConfig": ".config",
     "METHODS": ".config",
     "QFiltersKVCache": ".cache.kv_cache",
+    "compress_caches": ".cache.compression",
     "observe_queries": ".filters.observe",
 }
 

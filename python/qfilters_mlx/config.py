@@ -19,6 +19,14 @@ METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
 FILTER_SOURCES = ("keys", "queries")
 """Online filter estimators: key-SVD (sign from the config) or the paper's query-SVD."""
 
+MODES = ("streaming", "compress_once")
+"""How the cache holds its budget: evict at every call, or compress once then grow
+(see :mod:`qfilters_mlx.cache.compression`)."""
+
+COMPRESS_AT = ("prompt_end", "manual")
+"""When a ``compress_once`` cache compresses: at the end of a chunked prefill, or only
+when :func:`qfilters_mlx.compress_caches` is called."""
+
 
 INT32_MAX = 2**31 - 1
 """Largest budget/sink/window the kernels index with int32."""
@@ -134,13 +142,35 @@ class KVCacheConfig:
             decode-step cost (``bench/results/rewind.md``: 1.4 -> 3.3 ms per step over
             30 layers at budget 256); set it to at least ``num_draft_tokens`` for
             speculative decoding (``qfilters-mlx generate --draft-model`` does).
+        qfilters_mode: ``"streaming"`` (default: evict down to ``qfilters_budget`` after
+            every call) or ``"compress_once"`` (kvpress's and the paper's protocol: keep
+            every token until the cache is compressed once, then append without
+            eviction; :mod:`qfilters_mlx.cache.compression`). Not with ``method="full"``.
+        qfilters_compression_ratio: compress-once only: the fraction of the tokens seen
+            that a compression removes (kvpress's ``compression_ratio``; in ``[0, 1)``):
+            each (batch row, KV head) keeps ``max(1, int(T * (1 - ratio)))`` of its ``T``
+            tokens. ``None``: keep the absolute ``qfilters_budget`` instead.
+        qfilters_growth: compress-once only: tokens the cache may grow by after the
+            compression before it evicts again (back to compressed size + growth, with
+            the streaming rule); ``None`` (default) grows without limit.
+        qfilters_compress_at: compress-once only: ``"prompt_end"`` (default: the first
+            single-token call after a multi-token call, i.e. where mlx-lm's
+            ``generate_step`` has prefilled the prompt but its last token) or
+            ``"manual"`` (only :func:`qfilters_mlx.compress_caches`).
+
+    In compress-once mode ``qfilters_recent=None`` resolves to 0 (kvpress has no window;
+    the question comes after the compression) and ``n_sink + recent`` may exceed the
+    kept count of a short context (the sinks, then the window, are cut to it).
 
     Raises:
         ValueError: budget < 1 or None, n_sink < 0, recent < 0, max_rewind < 0,
             ``n_sink + recent >= budget``, calib_tokens < 1, sign not +1/-1,
             unknown method or backend, head_dim < 1, a ``qfilters_filters``
-            path that is not an existing file.
-        TypeError: a field that must be an int is not one.
+            path that is not an existing file, an unknown ``qfilters_mode`` or
+            ``qfilters_compress_at``, a compression ratio outside ``[0, 1)``,
+            ``qfilters_growth < 0``, compress-once fields in streaming mode,
+            compress-once with ``method="full"``.
+        TypeError: a field that must be an int (or float ratio) is not one.
     """
 
     method: str = DEFAULT_METHOD
@@ -155,6 +185,10 @@ class KVCacheConfig:
     qfilters_filter_source: str = DEFAULT_FILTER_SOURCE
     qfilters_max_rewind: int = 0
     qfilters_filters: object = field(default=None, compare=False, repr=False)
+    qfilters_mode: str = "streaming"
+    qfilters_compression_ratio: float | None = None
+    qfilters_growth: int | None = None
+    qfilters_compress_at: str = "prompt_end"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -163,9 +197,9 @@ class KVCacheConfig:
             _check_int("head_dim", self.head_dim, 1)
         _check_int("qfilters_budget", self.qfilters_budget, 1)
         _check_int("qfilters_n_sink", self.qfilters_n_sink, 0)
-        if self.qfilters_recent is None:
-            object.__setattr__(self, "qfilters_recent",
-                               default_recent(self.qfilters_budget, self.qfilters_n_sink))
+        if self.qfilters_recent is None:  # (compress_once: none, as kvpress; the question is outside)
+            object.__setattr__(self, "qfilters_recent", 0 if self.qfilters_mode == "compress_once"
+                               else default_recent(self.qfilters_budget, self.qfilters_n_sink))
         _check_int("qfilters_recent", self.qfilters_recent, 0)
         if self.qfilters_sign is None:
             object.__setattr__(self, "qfilters_sign", default_sign(self.qfilters_filter_source))
@@ -177,7 +211,8 @@ class KVCacheConfig:
                 f"qfilters_n_sink ({self.qfilters_n_sink}) must be smaller than "
                 f"qfilters_budget ({self.qfilters_budget})"
             )
-        if self.method != "streaming_llm" and (
+        _check_compression(self)
+        if self.method != "streaming_llm" and self.qfilters_compression_ratio is None and (
             self.qfilters_n_sink + self.qfilters_recent >= self.qfilters_budget
         ):
             raise ValueError(
@@ -226,6 +261,37 @@ class KVCacheConfig:
             return self.qfilters_budget - self.qfilters_n_sink
         return self.qfilters_recent
 
+    @property
+    def compress_once(self) -> bool:
+        """Whether this is the compress-once mode (``qfilters_mode="compress_once"``)."""
+        return self.qfilters_mode == "compress_once"
+
     def with_head_dim(self, head_dim: int) -> "KVCacheConfig":
         """A copy with ``head_dim`` set (validated)."""
         return replace(self, head_dim=head_dim)
+
+
+def _check_compression(c: KVCacheConfig) -> None:
+    """Validate the compress-once fields (ValueError/TypeError naming the field)."""
+    if c.qfilters_mode not in MODES:
+        raise ValueError(f"qfilters_mode must be one of {MODES}, got {c.qfilters_mode!r}")
+    if c.qfilters_compress_at not in COMPRESS_AT:
+        raise ValueError(f"qfilters_compress_at must be one of {COMPRESS_AT}, "
+                         f"got {c.qfilters_compress_at!r}")
+    r = c.qfilters_compression_ratio
+    if r is not None:
+        if isinstance(r, bool) or not isinstance(r, (int, float)):
+            raise TypeError(f"qfilters_compression_ratio must be a float, got {type(r).__name__} ({r!r})")
+        if not 0.0 <= r < 1.0:
+            raise ValueError("qfilters_compression_ratio (the fraction of tokens removed, as kvpress "
+                             f"names it) must be in [0, 1), got {r!r}")
+    if c.qfilters_growth is not None:
+        _check_int("qfilters_growth", c.qfilters_growth, 0)
+    if c.qfilters_mode == "streaming":
+        for name in ("qfilters_compression_ratio", "qfilters_growth"):
+            if getattr(c, name) is not None:
+                raise ValueError(f"{name} is only used with qfilters_mode='compress_once' "
+                                 f"(got qfilters_mode='streaming')")
+    elif c.method == "full":
+        raise ValueError("qfilters_mode='compress_once' needs an eviction method; method='full' "
+                         "keeps every token")

@@ -20,7 +20,8 @@ a fixed set of keys; selection is a pure function of scores and tokens fed).
 Single-token calls after an eviction run in *slot mode* (:mod:`.slots`);
 ``trim`` rewinds exactly within ``qfilters_max_rewind`` tokens (:mod:`.rewind`,
 :mod:`.journal`); ``state``, copies and ``to_quantized`` in :mod:`.persistence`; bytes in :mod:`.accounting`;
-input checks in :mod:`.validation`.
+input checks in :mod:`.validation`; compress-once mode (``qfilters_mode``: keep every
+token until one compression, then append) in :mod:`.compression`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from qfilters_mlx.backends import reference
 from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.accounting import FILTER_BYTES_PER_ELEMENT, ByteAccountingMixin
 from qfilters_mlx.cache.batch import BatchQFiltersCache
+from qfilters_mlx.cache.compression import CompressionMixin
 from qfilters_mlx.cache.journal import CallRecord, RewindJournal, dropped_rows
 from qfilters_mlx.cache.persistence import PersistenceMixin
 from qfilters_mlx.cache.rewind import RewindMixin
@@ -46,7 +48,7 @@ from qfilters_mlx.config import KVCacheConfig
 __all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache"]
 
 
-class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
+class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
     """Eviction KV cache for one attention layer.
 
     Args:
@@ -100,6 +102,7 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         # Rewind journal (exact `trim` after an eviction) and the rows of the free slot.
         self._journal = RewindJournal(0 if config.method == "full" else config.qfilters_max_rewind)
         self._victim_rows = None
+        self._reset_compression()  # compress-once mode (:mod:`.compression`)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -130,7 +133,7 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         n = self._n
         pos = (mx.array(self.offset, dtype=mx.int64) + mx.arange(L, dtype=mx.int64))[None, None, :]
         pos = mx.broadcast_to(pos, (B, H, L))
-        if self.evicted and n + L > self.keys.shape[2]:
+        if self.evicted and n + L > self.keys.shape[2] and not self._growing():
             # Steady state after eviction: exactly the rows needed, one copy of
             # the kept rows (the next eviction gathers them again anyway).
             cat = lambda buf, new: mx.concatenate([buf[:, :, :n], new], axis=2)  # noqa: E731
@@ -186,11 +189,9 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
 
     def _evict(self) -> None:
-        c = self.config
         n = self._n
         kept, k, v = self.backend.select_compact(
-            self.scores[:, :, :n], self.keys[:, :, :n], self.values[:, :, :n],
-            c.qfilters_budget, c.qfilters_n_sink, c.protected_recent,
+            self.scores[:, :, :n], self.keys[:, :, :n], self.values[:, :, :n], *self._limits_now(),
         )
         record = self._journal.last() if self._journal.active else None
         if isinstance(record, CallRecord) and record.dropped is None:  # this call's record
@@ -220,12 +221,13 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
             raised before any state changes.
         """
         self._validate(keys, values)
+        self._before_call(keys.shape[2])  # compress-once trigger (before anything is stored)
         return self._update(keys, values)
 
     def _update(self, keys, values):
         """``update_and_fetch`` after validation (also re-applies calls on a rewind)."""
         L = keys.shape[2]
-        if L == 1 and self.evicted:
+        if L == 1 and self.evicted and not self._growing():
             return self._decode_step(keys, values)
         record = CallRecord(tokens=L, offset=self.offset, n=self._n, evicted=self.evicted,
                             filter=self.filter, queries=self._queries,
@@ -240,7 +242,7 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
             self._calibrate()
         n = self._n
         out = self.keys[:, :, :n], self.values[:, :, :n]
-        if self.method != "full" and self.scoring_ready and n > self.config.qfilters_budget:
+        if self.method != "full" and self.scoring_ready and n > self._budget_now():
             self._evict()
         # Positions (and scores before calibration) are read by no returned array:
         # schedule them so their graphs never grow across decode steps.
@@ -275,7 +277,7 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
             self._queries = new if self._queries is None else mx.concatenate([self._queries, new], axis=2)
         if self._queries is not None and self._queries.shape[2] >= c:
             self._calibrate()
-            if self._n > self.config.qfilters_budget:
+            if self._n > self._budget_now():
                 self._evict()
             mx.async_eval(self.positions, self.scores)
 

@@ -35,7 +35,8 @@ class PersistenceMixin:
 
         ``meta`` carries the configuration, the scalar attributes (offset as a
         string: exact beyond 2**31, layer index, eviction flag) and, in slot mode,
-        the slot of every row and the free slot (``"slots"``), so that mlx-lm's
+        the slot of every row and the free slot (``"slots"``), and in compress-once
+        mode the compression's kept rows and offset (``"compressed"``), so that mlx-lm's
         ``save_prompt_cache`` / ``load_prompt_cache`` round-trip the cache exactly.
         Arrays are ``None`` while the cache is empty. Reading it changes nothing.
         """
@@ -50,6 +51,10 @@ class PersistenceMixin:
             "layer_idx": self.layer_idx,
             "evicted": self.evicted,
         }
+        if self._compressed is not None:  # compress-once mode: (rows kept, offset then)
+            meta["compressed"] = [self._compressed[0], str(self._compressed[1])]
+        if self._saw_chunk:
+            meta["saw_chunk"] = True
         if self._free is not None:
             meta["slots"] = {"order": self._slot_order().tolist(), "free": self._free.tolist()}
         return (keys, values, scores, positions, self.filter, self._queries, json.dumps(meta))
@@ -69,6 +74,10 @@ class PersistenceMixin:
             config = KVCacheConfig(**fields)
             scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
                        bool(meta["filter_fixed"]))
+            compressed = meta.get("compressed")
+            if compressed is not None:
+                compressed = (int(compressed[0]), int(compressed[1]))
+            saw_chunk = bool(meta.get("saw_chunk", False))
             slots = meta.get("slots")
             if slots is not None:
                 order = mx.array(slots["order"], dtype=mx.int32)
@@ -101,6 +110,7 @@ class PersistenceMixin:
             self._free = free
         self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
         self.filter = filt
+        self._compressed, self._saw_chunk = compressed, saw_chunk
 
     # ------------------------------------------------------------- copies
     def __getstate__(self) -> dict:

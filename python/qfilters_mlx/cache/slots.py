@@ -129,6 +129,7 @@ class SlotModeMixin:
         the next slot to free (``backend.decode_select_keys`` for Q-Filters: one
         primitive in the cpp backend; ``decode_select`` of the method's score otherwise)."""
         c = self.config
+        _, n_sink, recent = self._limits_now()  # (compress-once growth limit: .compression)
         entering = self._free is None
         record = None  # journaled only when rewinds are on (the default, depth 0, skips it)
         if self._journal.active:
@@ -148,7 +149,7 @@ class SlotModeMixin:
         if self.method == "qfilters":  # score + bookkeeping in one op (cpp)
             self.scores, self.positions, self._free = be.decode_select_keys(
                 self.scores, self.positions, keys, self.filter, free, self.offset,
-                c.score_sign, c.qfilters_n_sink, c.protected_recent,
+                c.score_sign, n_sink, recent,
             )
         else:
             pos = None
@@ -160,7 +161,7 @@ class SlotModeMixin:
             )
             self.scores, self.positions, self._free = be.decode_select(
                 self.scores, self.positions, new_scores, free, self.offset,
-                c.qfilters_n_sink, c.protected_recent,
+                n_sink, recent,
             )
         self.offset += 1
         if record is None:

@@ -15,6 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+PARTS = "score_quality,perplexity,retrieval,protocols"
+"""Every measure, cheap ones first; ``protocols``: retrieval in the streaming and the
+compress-once protocol (:mod:`qfilters_mlx.evaluation.protocols`)."""
+
 TEXT_DESCRIPTION = (
     "CPython's reference documentation, pydoc_data/topics.py of Python {py} (the `topics` dict's "
     "values joined in sorted key order with blank lines; PSF documentation licence). Perplexity and "
@@ -43,8 +47,9 @@ def add_parser(sub) -> None:
                     help="small sizes (a few minutes) plus sanity checks; exit status 1 if one fails")
     ev.add_argument("--report-only", action="store_true",
                     help="rewrite the .md and .png from an existing --out without running")
-    ev.add_argument("--parts", default="score_quality,perplexity,retrieval",
-                    help="comma-separated measures to run (default: all, in this order)")
+    ev.add_argument("--parts", default=PARTS,
+                    help="comma-separated measures to run (default: all, in this order; "
+                         "'protocols' is retrieval in the streaming and compress-once protocols)")
     ev.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     ev.add_argument("--filters", default=None, metavar="FILE",
                     help="filters from `qfilters-mlx calibrate` for the calibrated-filter arm "
@@ -64,7 +69,7 @@ def _command(args) -> str:
         parts.append("--quick")
     if args.out:
         parts += ["--out", args.out]
-    if args.parts != "score_quality,perplexity,retrieval":
+    if args.parts != PARTS:
         parts += ["--parts", args.parts]
     if args.filters:
         parts += ["--filters", args.filters]
@@ -109,7 +114,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     from qfilters_mlx.assets.prompts import source_text
 
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(parts) - {"score_quality", "perplexity", "retrieval"}
+    unknown = set(parts) - set(PARTS.split(","))
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     settings = EvalSettings.quick_settings() if args.quick else EvalSettings.full()
@@ -162,6 +167,12 @@ def run(parser, args, blas_library: str | None = None) -> int:
         run_evaluation(model, tokenizer, text, settings, results, save=save, progress=progress,
                        set_total=set_total, capture=capture_attention, parts=parts, arms=arms,
                        filters=filters)
+        if "protocols" in parts:
+            from qfilters_mlx.evaluation.protocols import ProtocolSettings, run_protocols
+
+            run_protocols(model, tokenizer, text, ProtocolSettings.quick() if args.quick
+                          else ProtocolSettings(), results, filters=filters, save=save,
+                          progress=lambda d: progress(0, d))
     except ValueError as err:
         parser.error(f"{out}: {err}")
     finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from qfilters_mlx.commands import cache_options, generation, options, summary
+from qfilters_mlx.commands import cache_options, generation, options, questions, summary
 from qfilters_mlx.commands.model_path import resolve_model
 
 __all__ = ["add_parser", "check_generation_args", "run"]
@@ -75,6 +75,7 @@ def add_parser(sub) -> None:
     options.add_quantized_kv_args(g)
     c = gen.add_argument_group("KV-cache eviction")
     options.add_cache_args(c)
+    questions.add_compress_args(c)
     c.add_argument("--compare", nargs="?", const=DEFAULT_COMPARE, default=None, metavar="LIST",
                    help=f"run the prompt through several caches and print one table (answer, "
                         f"pass key found, kept tokens, KV bytes, tokens/s, peak memory). LIST: "
@@ -127,6 +128,7 @@ def _load_prompt_cache(parser, args):
 def run(parser, args, blas_library: str | None = None) -> int:
     """Run ``generate`` (or the comparison mode); returns the exit status."""
     check_generation_args(parser, args)
+    questions.check_combinations(parser, args)
     if args.compare is not None:
         from qfilters_mlx.commands.compare import run_compare
 
@@ -138,7 +140,9 @@ def run(parser, args, blas_library: str | None = None) -> int:
         config = None
     else:
         cache_options.warn_ignored(parser, args)
-        config = cache_options.config_from_args(parser, args)
+        config = questions.compress_config(parser, args, cache_options.config_from_args(parser, args))
+        if args.context_file is not None:  # questions outside the compression
+            return questions.run_questions(parser, args, config, blas_library)
     text, shipped = generation.read_prompt(parser, args)
     loaded = None
     if args.prompt_cache_file is not None:

@@ -135,6 +135,9 @@ def markdown(results, command: str = "") -> str:
             lines.append(f"| {m} | " + " | ".join(
                 f"{sq[c][m][0]:+.3f} ({100 * sq[c][m][1]:.0f}% of {sq[c][m][2]})" for c in cached) + " |")
         lines.append("")
+    from qfilters_mlx.evaluation.protocols import protocols_markdown
+
+    lines.append(protocols_markdown(results))
     return "\n".join(lines)
 
 

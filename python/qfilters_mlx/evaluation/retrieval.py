@@ -19,7 +19,7 @@ from qfilters_mlx.assets.prompts import INSTRUCTION, QUESTION
 from qfilters_mlx.evaluation.multi_arm import batch_caches
 from qfilters_mlx.filters.observe import observe_queries
 
-__all__ = ["NEEDLE", "batched_greedy", "pass_key", "retrieval_prompt"]
+__all__ = ["NEEDLE", "batched_greedy", "pass_key", "retrieval_chat", "retrieval_prompt"]
 
 NEEDLE = "The secret pass key is {key}. Remember it."
 
@@ -30,7 +30,13 @@ def pass_key(seed: int, context: int, depth: float) -> str:
 
 
 def retrieval_prompt(tokenizer, text: str, context_tokens: int, depth: float, key: str) -> list[int]:
-    """Chat-template tokens of: instruction, about ``context_tokens`` tokens of
+    """Tokens of :func:`retrieval_chat` (the chat-template prompt)."""
+    chat = retrieval_chat(tokenizer, text, context_tokens, depth, key)
+    return tokenizer.encode(chat, add_special_tokens=False)
+
+
+def retrieval_chat(tokenizer, text: str, context_tokens: int, depth: float, key: str) -> str:
+    """Chat-template text of: instruction, about ``context_tokens`` tokens of
     ``text`` (whole paragraphs), the needle at relative ``depth`` (a paragraph
     boundary), the question.
 
@@ -60,9 +66,8 @@ def retrieval_prompt(tokenizer, text: str, context_tokens: int, depth: float, ke
     cut = min(cut, len(picked))
     body = picked[:cut] + [NEEDLE.format(key=key)] + picked[cut:]
     message = "\n\n".join([INSTRUCTION, *body, f"Question: {QUESTION}"])
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
-    return tokenizer.encode(chat, add_special_tokens=False)
 
 
 def batched_greedy(model, prompt: list[int], rows: list[list], max_tokens: int, chunk: int,
