@@ -33,23 +33,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from backends_here import BACKENDS
 from cache_model import CacheModel
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 
 
-def available_backends() -> list[str]:
-    names = ["reference"]
-    try:
-        from qfilters_mlx import _ext  # noqa: F401
-        names.append("cpp")
-    except ImportError:
-        pass
-    if mx.metal.is_available():
-        names.append("metal")
-    return names
-
-
-BACKENDS = available_backends()
 DTYPES = {"float32": (mx.float32, np.float32), "float16": (mx.float16, np.float16),
           "bfloat16": (mx.bfloat16, np.float32)}
 
