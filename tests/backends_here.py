@@ -18,3 +18,11 @@ def available_backends() -> list[str]:
 
 
 BACKENDS = available_backends()
+
+
+def examples(n: int) -> int:
+    """Hypothesis ``max_examples``: ``n`` scaled by ``QF_TEST_EXAMPLES_SCALE`` (default 1;
+    ``tools/mutation.py`` lowers it so that each mutant's run stays short)."""
+    import os
+
+    return max(1, round(n * float(os.environ.get("QF_TEST_EXAMPLES_SCALE", "1"))))

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from backends_here import BACKENDS
+from backends_here import BACKENDS, examples
 from cache_model import CacheModel
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 
@@ -205,7 +205,7 @@ ACTIONS = st.one_of(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(s=setups(), actions=st.lists(ACTIONS, min_size=6, max_size=60))
 def test_cache_matches_model(backend, s, actions, tmp_path):
     d = Driver(s, backend, tmp_path)

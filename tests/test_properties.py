@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from oracle import np_keep
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
-from backends_here import BACKENDS
+from backends_here import BACKENDS, examples
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -90,7 +90,7 @@ def check_kept(got, scores, err, budget, n_sink, recent):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(sc=scenario())
 def test_invariants_after_every_call(backend, sc):
     budget, n_sink, recent, calib, method, chunks, seed = sc
