@@ -95,11 +95,15 @@ def main() -> int:
                    help="folder holding the mutmut package (pip install --target)")
     p.add_argument("--max-children", type=int, default=2)
     p.add_argument("--examples-scale", default="0.2")
+    p.add_argument("--only", nargs="*", default=[],
+                   help="mutant name patterns (fnmatch), e.g. 'qfilters_mlx.backends.reference.x_select_keep*'")
+    p.add_argument("--resume", action="store_true", help="keep the work dir and the results already there")
     a = p.parse_args()
     workdir = Path(a.workdir)
-    prepare(workdir, a.modules, a.tests)
+    if not (a.resume and workdir.exists()):
+        prepare(workdir, a.modules, a.tests)
     env = dict(os.environ, QF_TEST_EXAMPLES_SCALE=a.examples_scale, PYTHONPATH="")
-    run = mutmut(["run", "--max-children", str(a.max_children)], a.mutmut_path, workdir, env)
+    run = mutmut(["run", "--max-children", str(a.max_children), *a.only], a.mutmut_path, workdir, env)
     (workdir / "run.log").write_text(run.stdout + run.stderr)
     mutmut(["export-cicd-stats"], a.mutmut_path, workdir, env)
     stats_path = workdir / "mutants" / "mutmut-cicd-stats.json"
