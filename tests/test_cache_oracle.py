@@ -225,3 +225,39 @@ def test_cache_matches_model(backend, s, actions, tmp_path):
             d.deep_copy()
         elif name == "kept" and d.model.offset:
             d.kept_positions()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ["qfilters", "l2norm"])
+def test_non_finite_and_tied_keys_in_prefill_and_decode(backend, method, tmp_path):
+    """Deterministic case of the rules above (issue 20, kind 2): +inf / -inf / NaN keys
+    score -inf and are dropped first (unless sink or recent), in prefill and in slot-mode
+    decode; equal scores keep the earlier position. Checked against the model, not
+    only backend against backend."""
+    s = dict(method=method, budget=4, n_sink=1, recent=1, sign=1, dtype="float32", B=1, H=1, D=2,
+             max_rewind=0, seed=0)
+    d = Driver(s, backend, tmp_path)
+    d.cache.filter = mx.array([[1.0, 0.0]]) if method == "qfilters" else None
+    d.model.filters = np.array([[1.0, 0.0]], np.float32)
+    k = np.array([[2, 0], [np.inf, 0], [1, 0], [np.nan, 0], [1, 0], [5, 0], [-np.inf, 0], [1, 0],
+                  [1, 1], [3, 0]], np.float32)[None, None]
+    if method == "l2norm":
+        k = -k  # same magnitudes: ties stay ties, the largest key has the largest norm
+
+    def feed(rows):
+        v = np.zeros(rows.shape, np.float32)
+        t = d.model.offset + np.arange(rows.shape[2])
+        v[..., 0], v[..., 1] = t // 64, t % 64
+        got_k, _ = d.cache.update_and_fetch(mx.array(rows), mx.array(v))
+        d.model.update(rows, v)
+        d.check()
+        return np.array(got_k)
+
+    # scores (qfilters): 2, -inf, 1, -inf, 1, 5, -inf, 1; l2norm: -2, -inf, -1, -inf, -1, -5, -inf, -1
+    feed(k[:, :, :8])  # prefill: evicts 8 -> 4 (sink 0, recent 7, two by score)
+    want = {"qfilters": [0, 2, 5, 7], "l2norm": [0, 2, 4, 7]}[method]  # 2 beats 4 on a tie
+    assert d.model.kept()[0, 0].tolist() == want  # (the cache == the model: checked by feed)
+    for row in ([[np.nan, 0]], [[np.inf, 0]], [[1, 0]], [[1, 0]]):  # slot-mode steps 8..11
+        feed(np.array(row, np.float32)[None, None] * (-1 if method == "l2norm" else 1))
+    want = {"qfilters": [0, 2, 5, 11], "l2norm": [0, 2, 4, 11]}[method]
+    assert d.model.kept()[0, 0].tolist() == want
