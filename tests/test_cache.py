@@ -46,7 +46,7 @@ def test_offset_is_absolute_position_and_returned_keys_bounded():
     for t in range(64, 264):
         assert c.offset == t
         out_k, out_v = c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        assert out_k.shape[2] <= 32 + 1 and out_v.shape == out_k.shape
+        assert out_k.shape[2] == 32 + 1 and out_v.shape == out_k.shape  # budget slots + the new one
         assert c.size() == 32
     assert c.offset == 264 == c.tokens_seen
 
@@ -350,18 +350,20 @@ def test_bad_updates_raise_before_state_changes():
     c = make(budget=16, calib=8)
     c.update_and_fetch(k[:, :, :10], v[:, :, :10])
     snap = (c.offset, c.size(), np.array(c.keys[:, :, :10]))
+    # (keys, values, exception, what the message must name: the argument and the cause)
     bad = [
-        (k[0], v[0]),  # ndim 3
-        (k[:, :, :2], v[:, :, :3]),  # L mismatch
-        (k[:, :1, :2], v[:, :1, :2]),  # head count changes
-        (k[..., :8][:, :, :2], v[..., :8][:, :, :2]),  # head_dim changes
-        (k[:, :, :2].astype(mx.float16), v[:, :, :2].astype(mx.float16)),  # dtype changes
-        (k[:, :, :2], v[:, :, :2].astype(mx.float16)),  # K/V dtypes differ
-        (k[:, :, :0], v[:, :, :0]),  # L = 0
-        (np.array(k[:, :, :2]), v[:, :, :2]),  # not an mx.array
+        (k[0], v[0], ValueError, r"keys must be \[B, H_kv, L, D\], got shape \(2, 20, 16\)"),
+        (k[:, :, :2], v[:, :, :3], ValueError, r"keys and values must agree on \[B, H_kv, L\]"),
+        (k[:, :1, :2], v[:, :1, :2], ValueError, r"filters shape \(2, 16\) does not match keys"),
+        (k[..., :8][:, :, :2], v[..., :8][:, :, :2], ValueError, r"filters shape \(2, 16\) does not match keys"),
+        (k[:, :, :2].astype(mx.float16), v[:, :, :2].astype(mx.float16), TypeError,
+         r"keys dtype (mlx\.core\.)?float16 does not match the cache \((mlx\.core\.)?float32\)"),
+        (k[:, :, :2], v[:, :, :2].astype(mx.float16), TypeError, r"keys and values must share a dtype"),
+        (k[:, :, :0], v[:, :, :0], ValueError, r"keys must hold at least one token \(L >= 1\)"),
+        (np.array(k[:, :, :2]), v[:, :, :2], TypeError, r"keys must be an mx.array, got ndarray"),
     ]
-    for bk, bv in bad:
-        with pytest.raises((ValueError, TypeError)):
+    for bk, bv, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
             c.update_and_fetch(bk, bv)
         assert (c.offset, c.size()) == snap[:2]
     np.testing.assert_array_equal(np.array(c.keys[:, :, :10]), snap[2])

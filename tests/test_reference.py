@@ -147,3 +147,44 @@ def test_filter_ignores_nonfinite_rows():
     f = np.array(ref.estimate_filter_from_keys(mx.array(dirty)))
     assert np.all(np.isfinite(f))
     np.testing.assert_allclose(f, np.array(ref.estimate_filter_from_keys(mx.array(clean))), atol=1e-6)
+
+
+def test_errors_name_the_argument_and_the_expected_shape():
+    """README: a bad input raises before anything runs, naming the argument (mutation check:
+    messages naming the wrong argument or axis survived before this test)."""
+    k, f = mx.zeros((1, 2, 3, 4)), mx.zeros((2, 4))
+    cases = [
+        (lambda: ref.projection_scores(k[0], f), ValueError, r"^keys must have 4 dimensions, got shape \(2, 3, 4\)$"),
+        (lambda: ref.projection_scores(k, f[0]), ValueError, r"^filters must have 2 dimensions, got shape \(4,\)$"),
+        (lambda: ref.projection_scores(np.zeros((1, 2, 3, 4)), f), TypeError, r"^keys must be an mx.array, got ndarray$"),
+        (lambda: ref.projection_scores(k, np.zeros((2, 4))), TypeError, r"^filters must be an mx.array, got ndarray$"),
+        (lambda: ref.projection_scores(k, mx.zeros((3, 4))), ValueError,
+         r"^filters must have shape \[H, D\] = \(2, 4\), got \(3, 4\)$"),
+        (lambda: ref.projection_scores(k, mx.zeros((2, 5))), ValueError,
+         r"^filters must have shape \[H, D\] = \(2, 4\), got \(2, 5\)$"),
+        (lambda: ref.projection_scores(k, f, 0), ValueError, r"^sign must be \+1 or -1, got 0$"),
+        (lambda: ref.select_keep(mx.zeros((4,)), 2), ValueError, r"^scores must have 3 dimensions, got shape \(4,\)$"),
+        (lambda: ref.select_keep(mx.zeros((1, 1, 8)), 2.0), TypeError, r"^budget must be an int, got float$"),
+        (lambda: ref.select_keep(mx.zeros((1, 1, 8)), 4, True), TypeError, r"^n_sink must be an int, got bool$"),
+        (lambda: ref.select_keep(mx.zeros((1, 1, 8)), 4, 1, None), TypeError, r"^recent must be an int, got NoneType$"),
+        (lambda: ref.select_keep(mx.zeros((1, 1, 8)), 0), ValueError, r"^budget must be >= 1, got 0$"),
+        (lambda: ref.select_keep(mx.zeros((1, 1, 8)), 4, -1, 0), ValueError,
+         r"^n_sink and recent must be >= 0, got -1, 0$"),
+        (lambda: ref.select_keep(mx.zeros((1, 1, 8)), 4, 0, -2), ValueError,
+         r"^n_sink and recent must be >= 0, got 0, -2$"),
+        (lambda: ref.select_keep(mx.zeros((1, 1, 8)), 4, 2, 3), ValueError,
+         r"^n_sink \+ recent \(5\) must not exceed budget \(4\)$"),
+        (lambda: ref.compact(k, k, mx.zeros((1, 2), mx.int32)), ValueError,
+         r"^kept must have 3 dimensions, got shape \(1, 2\)$"),
+        (lambda: ref.compact(k[0], k, mx.zeros((1, 2, 1), mx.int32)), ValueError,
+         r"^keys must have 4 dimensions, got shape \(2, 3, 4\)$"),
+        (lambda: ref.compact(k, k[0], mx.zeros((1, 2, 1), mx.int32)), ValueError,
+         r"^values must have 4 dimensions, got shape \(2, 3, 4\)$"),
+        (lambda: ref.l2norm_scores(k[0]), ValueError, r"^keys must have 4 dimensions, got shape \(2, 3, 4\)$"),
+    ]
+    for call, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+    # the boundary values are accepted
+    assert ref.select_keep(mx.zeros((1, 1, 8)), 4, 2, 2).shape == (1, 1, 4)
+    assert ref.select_keep(mx.zeros((1, 1, 8)), 1, 0, 0).tolist() == [[[0]]]

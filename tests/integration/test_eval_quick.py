@@ -41,6 +41,26 @@ def test_quick_checks_pass(quick_run):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_quick_flags_rechecked_from_the_saved_numbers(quick_run):
+    """Each flag the product asserts, recomputed here from the numbers it saved (a flag made
+    always-true must not pass): the random arm's rerun alone, the covering budget, the
+    kvcache-streaming perplexity."""
+    _, _, res = quick_run
+    s, p, checks = res["settings"], res["perplexity"], res["checks"]
+    reruns = {k: c for k, c in p.items() if "nll_rerun_alone" in c}
+    assert len(reruns) == 1
+    ((name, cell),) = reruns.items()
+    assert name.startswith("random@") and int(name.rsplit("@", 1)[1]) in s["budgets"]
+    assert len(cell["nll_rerun_alone"]) == len(cell["nll"]) == s["ppl_scored"]
+    assert max(abs(a - b) for a, b in zip(cell["nll"], cell["nll_rerun_alone"])) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(cell["nll"], p["full"]["nll"])) > 1e-2  # it evicted
+    full = p["full"]["ppl"]
+    cover = [c for k, c in p.items() if k.endswith(f"@{s['check_budget']}")]
+    assert len(cover) >= 13 and all(abs(c["ppl"] - full) <= 1e-3 * full for c in cover)
+    assert abs(checks["kvcache_streaming_ppl"] - full) <= 1e-3 * full
+    assert checks["random_reproducible"] and checks["budget_covers_length_equals_full"]
+
+
 def test_full_cache_equals_one_plain_forward_pass(quick_run):
     import mlx.core as mx
     from mlx_lm import load

@@ -1,7 +1,22 @@
 """The cache and how it is built: ``QFiltersKVCache`` (mlx-lm's cache protocol),
-``KVCacheBuilder`` (one cache per layer of a model) and the per-method insertion scores."""
+``KVCacheBuilder`` (one cache per layer of a model) and the per-method insertion scores.
 
-from qfilters_mlx.cache.builder import KVCacheBuilder
-from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+The two names are resolved on first use (PEP 562): importing a submodule (as
+:mod:`qfilters_mlx.prompt_cache_hook` does while ``mlx_lm`` is being imported)
+must not import :mod:`.builder`, whose :mod:`qfilters_mlx.model_info` may be the
+module that started importing ``mlx_lm`` (an import cycle otherwise).
+"""
 
 __all__ = ["KVCacheBuilder", "QFiltersKVCache"]
+
+
+def __getattr__(name: str):
+    if name == "KVCacheBuilder":
+        from qfilters_mlx.cache.builder import KVCacheBuilder
+
+        return KVCacheBuilder
+    if name == "QFiltersKVCache":
+        from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+
+        return QFiltersKVCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -103,6 +103,7 @@ class PersistenceMixin:
         self.config, self.backend = config, backend
         self.layer_idx, self.offset, self.evicted, self.filter_fixed = scalars
         self.queries_observed = False
+        self._queries_pending = False
         self._queries = queries
         self._n = 0 if keys is None else keys.shape[2]
         if slots is not None:

@@ -27,7 +27,6 @@ switch so that rewinds stay exact); ``state`` reads a temporal view
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 
 from qfilters_mlx.cache.journal import LayoutRecord, StepRecord, to_slots
 from qfilters_mlx.cache.scorers import insertion_scores
@@ -56,6 +55,8 @@ class SlotModeMixin:
         Raises:
             ValueError: ``window_size`` after a per-head eviction.
         """
+        from mlx_lm.models.base import create_causal_mask  # (lazily: importing mlx_lm runs our hook)
+
         S = self._n
         if window_size is None:
             if return_array:
