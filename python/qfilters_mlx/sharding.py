@@ -192,14 +192,16 @@ def gather_heads(local, model):
     """The whole model's ``[n_layers, n_kv_heads, D]`` from every rank's
     ``[n_layers, local_heads, D]`` (``mx.distributed.all_gather`` over the model's
     tensor group, heads in rank order); ``local`` itself when the model is not sharded.
-    A collective: every rank must call it."""
+    A collective: every rank must call it; it is evaluated here (a lazy gather that only
+    rank 0 evaluates, e.g. when writing a file, would wait forever for the others)."""
     import mlx.core as mx
 
     group = tensor_group(model)
     if group is None:
         return local
-    whole = mx.distributed.all_gather(mx.swapaxes(local, 0, 1), group=group)  # [H, L, D]
-    return mx.swapaxes(whole, 0, 1)
+    whole = mx.swapaxes(mx.distributed.all_gather(mx.swapaxes(local, 0, 1), group=group), 0, 1)
+    mx.eval(whole)  # now, on every rank: left lazy, only the rank that uses it would run it
+    return whole
 
 
 def parameter_sharding(model) -> dict[str, tuple[int, int]]:

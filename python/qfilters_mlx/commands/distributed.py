@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["check_args", "group", "kv_lines", "load_sharded", "only_rank0_prints", "shared_seed"]
+__all__ = ["check_args", "group", "kv_lines", "load_sharded", "only_rank0_prints", "settle", "shared_seed"]
 
 
 def group():
@@ -98,6 +98,17 @@ def shared_seed(seed: int | None) -> None:
     mx.random.seed(int(seed) % 2**63)
 
 
+def settle() -> None:
+    """Wait for mlx-lm's generation stream (``mlx_lm.generate.generation_stream``): its last
+    forward pass (evaluated ahead, ``mx.async_eval``) holds collectives, and a collective
+    issued on another stream while it runs interleaves with them on the ranks' connections
+    (the gathered values come back as garbage; seen with the ring backend)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+
+
 def kv_lines(caches) -> list[tuple[str, str]]:
     """Summary lines for a tensor-parallel run: the rank's heads, KV bytes kept per rank and
     over all ranks, and full-cache bytes over all ranks (``mx.distributed.all_gather`` of
@@ -108,6 +119,7 @@ def kv_lines(caches) -> list[tuple[str, str]]:
 
     s = summary.cache_summary(caches)
     g = group()
+    settle()
     per = mx.distributed.all_gather(mx.array([[s["kept_bytes"], s["full_bytes"]]], dtype=mx.int64),
                                     group=g, stream=mx.cpu).tolist()
     kept = [k for k, _ in per]
