@@ -105,12 +105,23 @@ def test_kept_positions_and_tokens_match_one_process(runs):
     budget = 16
     # evictions: every prefill chunk of 8 past the budget and every decode step
     assert seen - budget >= 20 and set(info(one)["tokens_seen"]) == {seen}
+    assert all(info(one)["evicted"]) and all(all(info(d)["evicted"]) for d in ranks)
     kept = np.concatenate([d["kept"] for d in ranks], axis=1)  # [layers, 3 heads, budget]
     assert kept.shape == one["kept"].shape == (30, 3, budget)
     bad = np.argwhere((kept != one["kept"]).any(axis=2))
     assert bad.size == 0, f"(layer, head) keeping other positions: {bad.tolist()}"
     for d in ranks:
         np.testing.assert_array_equal(d["tokens"], one["tokens"])
+
+
+def test_key_filter_with_sign_auto_matches_one_process(runs):
+    _, one, ranks = runs
+    kept = np.concatenate([d["auto_kept"] for d in ranks], axis=1)
+    assert kept.shape == one["auto_kept"].shape == (30, 3, 16)
+    bad = np.argwhere((kept != one["auto_kept"]).any(axis=2))
+    assert bad.size == 0, f"(layer, head) keeping other positions: {bad.tolist()}"
+    for d in ranks:
+        np.testing.assert_array_equal(d["auto_tokens"], one["auto_tokens"])
 
 
 def test_each_rank_holds_a_third_of_the_kv_bytes(runs):

@@ -7,9 +7,10 @@ Writes ``OUT/started<rank>`` once the group is up, then, per rank:
 1. ``qfilters-mlx calibrate`` (the command's ``main``) over a small text -> ``OUT/filters.safetensors``
    (rank 0 writes), stdout in ``OUT/calibrate<rank>.txt``;
 2. ``for_model`` with that file: each budgeted cache's filter (the rank's slice);
-3. a greedy generation with the online query filter (``sign="auto"``) past several
-   evictions: generated token ids, kept positions of every (layer, local KV head),
-   KV bytes; layer 0's ``k_proj`` weight (which heads the rank holds);
+3. a greedy generation with the online query filter past several evictions (prefill in
+   chunks of 8, then decoding): generated token ids, kept positions of every (layer, local
+   KV head), KV bytes; a shorter one with the key filter oriented by the queries
+   (``sign="auto"``); layer 0's ``k_proj`` weight (which heads the rank holds);
 4. ``qfilters-mlx generate`` with the filters file, stdout in ``OUT/generate<rank>.txt``.
 
 All arrays go to ``OUT/rank<rank>.npz`` (``OUT/single.npz`` outside mlx.launch).
@@ -65,17 +66,25 @@ def main(out: Path, model_path: str) -> None:
         qfilters_budget=BUDGET, qfilters_n_sink=N_SINK, qfilters_filters=str(filters)))
     file_filters = mx.stack([c.filter for c in from_file])  # [layers, local heads, D]
 
-    config = KVCacheConfig(qfilters_budget=BUDGET, qfilters_n_sink=N_SINK,
-                           qfilters_calib_tokens=CALIB, qfilters_sign="auto")
-    caches = KVCacheBuilder.for_model(model, config)
     ids = tok.encode(PROMPT)
-    tokens = []
-    with observe_queries(model, caches):
-        for r in stream_generate(model, tok, ids, max_tokens=MAX_TOKENS, prompt_cache=caches,
-                                 prefill_step_size=STEP):
-            tokens.append(r.token)
-    mx.synchronize(generation_stream)  # its look-ahead step holds collectives
-    kept = mx.stack([c.kept_positions()[0] for c in caches])  # [layers, local heads, T]
+
+    def generate(config, step, max_tokens):
+        caches = KVCacheBuilder.for_model(model, config)
+        tokens = []
+        with observe_queries(model, caches):
+            for r in stream_generate(model, tok, ids, max_tokens=max_tokens, prompt_cache=caches,
+                                     prefill_step_size=step):
+                tokens.append(r.token)
+        mx.synchronize(generation_stream)  # its look-ahead step holds collectives
+        return caches, tokens, mx.stack([c.kept_positions()[0] for c in caches])  # [layers, heads, T]
+
+    # the default query filter, estimated online per rank
+    caches, tokens, kept = generate(KVCacheConfig(
+        qfilters_budget=BUDGET, qfilters_n_sink=N_SINK, qfilters_calib_tokens=CALIB), STEP, MAX_TOKENS)
+    # the key-SVD filter oriented by the observed queries (sign="auto"), per rank
+    _, auto_tokens, auto_kept = generate(KVCacheConfig(
+        qfilters_budget=BUDGET, qfilters_n_sink=N_SINK, qfilters_calib_tokens=CALIB,
+        qfilters_filter_source="keys", qfilters_sign="auto"), len(ids), 3)
     shard = caches.report.shard
     info = {"rank": rank, "size": size, "summary": caches.report.summary(),
             "shard": None if shard is None else [shard.rank, shard.size, shard.local_heads,
@@ -84,10 +93,11 @@ def main(out: Path, model_path: str) -> None:
             "kept_bytes": sum(c.qfilters_kept_bytes for c in caches),
             "full_bytes": sum(c.full_seq_bytes for c in caches),
             "kv_bytes": sum(c.keys.nbytes + c.values.nbytes for c in caches),
-            "signs": sorted({str(getattr(c, "sign", None)) for c in caches})}
+            "evicted": [bool(c.evicted) for c in caches]}
     import numpy as np
 
     np.savez(out / f"{tag}.npz", tokens=np.array(tokens), kept=np.array(kept),
+             auto_tokens=np.array(auto_tokens), auto_kept=np.array(auto_kept),
              file_filters=np.array(file_filters),
              k_proj=np.array(model.layers[0].self_attn.k_proj.weight),
              info=np.array(json.dumps(info)))
