@@ -154,3 +154,31 @@ def test_identity_of_a_rank_is_the_whole_models(stub_all_sum):
         assert identity_fields(m) == want
     other = tiny(layers=3)
     assert identity_fields(sharded(other, 0, 3))["parameters"] != want["parameters"]
+
+
+def test_commands_refuse_what_distributed_mode_cannot_do(monkeypatch, tmp_path, capsys):
+    import argparse
+    import json
+
+    from qfilters_mlx.commands import distributed
+
+    parser = argparse.ArgumentParser(prog="qfilters-mlx generate")
+    args = argparse.Namespace(adapter_path=None, draft_model="d", compare=None, prompt_cache_file=None)
+    with pytest.raises(SystemExit):
+        distributed.check_args(parser, args, 3)
+    assert "--draft-model: not available under mlx.launch (3 ranks)" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9,
+                                                      "num_key_value_heads": 3}))
+    monkeypatch.setattr(distributed, "group", lambda: FakeGroup(0, 2))
+    with pytest.raises(SystemExit):
+        distributed.load_sharded(parser, argparse.Namespace(), tmp_path)
+    assert "3 KV heads, not divisible by the 2 ranks" in capsys.readouterr().err
+
+
+def test_only_rank_0_prints(capsys):
+    from qfilters_mlx.commands.distributed import only_rank0_prints
+
+    for rank in (0, 1, 2):
+        with only_rank0_prints(rank):
+            print(f"from rank {rank}")
+    assert capsys.readouterr().out == "from rank 0\n"
