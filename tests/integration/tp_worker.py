@@ -55,8 +55,8 @@ def main(out: Path, model_path: str) -> None:
     filters = out / f"filters-{'tp' if size > 1 else 'single'}.safetensors"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = cli.main(["calibrate", "--model", model_path, "--out", str(filters), "--tokens", "64",
-                       "--chunk", "32", "--samples", "48"])
+        rc = cli.main(["calibrate", "--model", model_path, "--out", str(filters), "--tokens", "48",
+                       "--chunk", "48", "--samples", "48"])
     assert rc == 0
     (out / f"calibrate{rank}.txt").write_text(buf.getvalue())
     barrier(group)  # rank 0 has written the file
@@ -106,9 +106,9 @@ def main(out: Path, model_path: str) -> None:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = cli.main(["generate", "--model", model_path, "--prompt", PROMPT, "--max-tokens", "3",
+        rc = cli.main(["generate", "--model", model_path, "--prompt", PROMPT, "--max-tokens", "2",
                        "--budget", str(BUDGET), "--n-sink", str(N_SINK), "--filters", str(filters),
-                       "--prefill-step-size", str(STEP), "--ignore-chat-template"])
+                       "--ignore-chat-template"])
     assert rc == 0
     (out / f"generate{rank}.txt").write_text(buf.getvalue())
 
