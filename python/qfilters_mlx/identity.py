@@ -33,22 +33,54 @@ def _model_type(model) -> str:
 
 
 def identity_fields(model) -> dict[str, str]:
-    """The fields the identity is made of (see the module doc); all values are strings."""
+    """The fields the identity is made of (see the module doc); all values are strings.
+
+    For a tensor-parallel model (:mod:`qfilters_mlx.sharding`) the fields are the
+    whole model's: the split parameters count with their whole shapes, and their
+    sampled elements are gathered from the ranks (one ``mx.distributed.all_sum``), so
+    every rank gets what one process gets for the unsharded model. A collective then:
+    every rank must call it.
+    """
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
 
+    from qfilters_mlx.sharding import parameter_sharding, tensor_group
+
+    split = parameter_sharding(model)
+    group = tensor_group(model) if split else None
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     layout = hashlib.sha256()
-    samples = []
+    samples, gathered = [], []
     total = 0
     for name, p in params:
-        layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
-        total += p.size
-        flat = p.reshape(-1)
-        k = min(SAMPLES_PER_PARAMETER, flat.size)
-        idx = mx.array(np.linspace(0, flat.size - 1, k).round().astype(np.int64)) if k else None
-        samples.append(flat[idx].astype(mx.float32) if k else mx.zeros((0,), mx.float32))
+        shape = list(p.shape)
+        if name in split:
+            axis, n = split[name]
+            shape[axis] *= n
+        size = int(np.prod(shape)) if shape else 1
+        layout.update(f"{name}:{tuple(shape)}:{p.dtype}\n".encode())
+        total += size
+        k = min(SAMPLES_PER_PARAMETER, size)
+        full = np.linspace(0, size - 1, k).round().astype(np.int64)
+        if name not in split:
+            samples.append(p.reshape(-1)[mx.array(full)].astype(mx.float32) if k
+                           else mx.zeros((0,), mx.float32))
+            continue
+        idx = list(np.unravel_index(full, shape))  # whole-model index -> owner and local index
+        owner, idx[axis] = np.divmod(idx[axis], p.shape[axis])
+        local = np.ravel_multi_index(idx, p.shape)
+        mine = mx.array(owner == group.rank())
+        vals = mx.where(mine, p.reshape(-1)[mx.array(local)].astype(mx.float32), 0.0)
+        samples.append(mx.zeros((k,), mx.float32))
+        gathered.append((len(samples) - 1, vals))
+    if gathered:
+        summed = mx.distributed.all_sum(mx.concatenate([v for _, v in gathered]), group=group,
+                                        stream=mx.cpu)
+        start = 0
+        for i, v in gathered:
+            samples[i] = summed[start:start + v.size]
+            start += v.size
     values = np.array(mx.concatenate(samples)) if samples else np.zeros(0, np.float32)
     return {
         "model_type": _model_type(model),

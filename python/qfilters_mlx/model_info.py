@@ -193,15 +193,26 @@ def model_head_dim(model) -> int:
     return model_dims(model)[2]
 
 
+def filters_dims(model) -> tuple[int, int, int]:
+    """``(n_layers, n_kv_heads, head_dim)`` of a filters file for ``model``: :func:`model_dims`
+    of the whole model, also on one rank of a tensor-parallel model (whose caches hold
+    ``n_kv_heads / group size`` of the heads, see :mod:`qfilters_mlx.sharding`)."""
+    from qfilters_mlx.sharding import shard_info
+
+    n_layers, n_kv, hd = model_dims(model)
+    info = shard_info(model, {n_kv})
+    return (n_layers, n_kv, hd) if info is None else (n_layers, info.n_kv_heads, hd)
+
+
 def check_filters_shape(filters, model) -> None:
-    """Check ``filters`` against :func:`model_dims`.
+    """Check ``filters`` against :func:`filters_dims` (the whole model's heads).
 
     Raises:
         ValueError: wrong shape (naming the expected one), or a model that no
             filters file can cover.
         TypeError: not floating point.
     """
-    want = model_dims(model)
+    want = filters_dims(model)
     if not isinstance(filters, mx.array) or tuple(filters.shape) != want:
         raise ValueError(f"filters must have shape [n_layers, n_kv_heads, head_dim] = {want}, "
                          f"got {getattr(filters, 'shape', type(filters).__name__)}")

@@ -30,10 +30,13 @@ class BuildReport:
     Attributes:
         budgeted: slots replaced by :class:`QFiltersKVCache`.
         kept: slots that keep the model's own cache (with :attr:`CacheSlot.cache_type`).
+        shard: on one rank of a tensor-parallel model, its rank, group size and KV heads
+            (:class:`qfilters_mlx.sharding.ShardInfo`; the caches hold those heads); else ``None``.
     """
 
     budgeted: tuple[CacheSlot, ...]
     kept: tuple[CacheSlot, ...]
+    shard: object = None
 
     @property
     def partial(self) -> bool:
@@ -41,7 +44,12 @@ class BuildReport:
         return bool(self.kept)
 
     def summary(self) -> str:
-        """One line: ``"all 2 layers budgeted"`` or which layers keep which cache and why."""
+        """One line: ``"all 2 layers budgeted"`` or which layers keep which cache and why
+        (then, on a tensor-parallel rank, ``"; rank r of N (tensor parallel): KV heads ..."``)."""
+        text = self._layers_summary()
+        return text if self.shard is None else f"{text}; {self.shard.summary()}"
+
+    def _layers_summary(self) -> str:
         n = len(self.budgeted)
         if not self.kept:
             return f"all {n} attention caches budgeted (layers {_layers(self.budgeted)})"
@@ -76,21 +84,28 @@ def describe(caches) -> str:
 
 def _layer_filters(model, config: KVCacheConfig):
     """``[n_budgeted, n_kv_heads, head_dim]`` filters from ``config.qfilters_filters``
-    (a path is loaded and checked against the model), or ``None``."""
+    (a path is loaded and checked against the model), or ``None``. The file or array
+    holds the whole model's heads; on a tensor-parallel rank the result holds the
+    rank's (:func:`qfilters_mlx.sharding.local_filters`)."""
     import mlx.core as mx
     import numpy as np
 
     from qfilters_mlx.filters.calibration import load_filters
     from qfilters_mlx.model_info import check_filters_shape
 
+    from qfilters_mlx.sharding import local_filters, shard_info
+
     f = config.qfilters_filters
     if f is None or config.method != "qfilters":
         return None
     if isinstance(f, str):
-        return load_filters(f, model)[0]
-    f = mx.array(np.asarray(f)) if not isinstance(f, mx.array) else f
-    check_filters_shape(f, model)
-    return f.astype(mx.float32)
+        f = load_filters(f, model)[0]
+    else:
+        f = mx.array(np.asarray(f)) if not isinstance(f, mx.array) else f
+        check_filters_shape(f, model)
+    from qfilters_mlx.model_info import model_dims
+
+    return local_filters(f.astype(mx.float32), shard_info(model, {model_dims(model)[1]}))
 
 
 def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[CacheSlot]:
@@ -159,6 +174,12 @@ class KVCacheBuilder:
         :func:`qfilters_mlx.model_info.model_dims`), budgeted slot ``i`` gets
         ``filters[i]`` and evicts from its first call.
 
+        On one rank of a tensor-parallel model (``mlx_lm.utils.sharded_load`` /
+        ``model.shard(group)`` under ``mlx.launch``) the caches hold the rank's KV heads
+        (read from the sharded model by the shape probe), a filters file or array
+        (whole model) is sliced to them, and ``report.shard`` says which
+        (:mod:`qfilters_mlx.sharding`).
+
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``.
             ValueError: layers use multi-head latent attention (MLA, named with
@@ -166,17 +187,23 @@ class KVCacheBuilder:
                 differs from a layer's key width (both numbers named); the model
                 uses its caches beyond mlx-lm's cache protocol; the filters
                 do not fit the model; the backend is unavailable; the model cannot
-                be probed.
+                be probed; a tensor-parallel rank holds part of a KV head (the KV
+                heads are not divisible by the group size).
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        from qfilters_mlx.sharding import check_shards, shard_info
+
+        check_shards(model)  # a tensor-parallel rank holds whole KV heads
         slots = probe_layout(model)
         budgeted = _check_layout(slots, config, model)
         _trial_forward(model, budgeted)
-        return KVCacheBuilder._build(config, slots, budgeted, _layer_filters(model, config), model)
+        shard = shard_info(model, {s.n_kv_heads for s in budgeted})
+        return KVCacheBuilder._build(config, slots, budgeted, _layer_filters(model, config), model,
+                                     shard)
 
     @staticmethod
-    def _build(config: KVCacheConfig, slots, budgeted, filters, model) -> BudgetedCaches:
+    def _build(config: KVCacheConfig, slots, budgeted, filters, model, shard=None) -> BudgetedCaches:
         """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
         caches = BudgetedCaches(default_caches(model))
         for i, s in enumerate(budgeted):
@@ -184,7 +211,8 @@ class KVCacheBuilder:
                                 filters=None if filters is None else filters[i])
             replace_at(caches, s.path, c)
         keys = {s.path for s in budgeted}
-        caches.report = BuildReport(tuple(budgeted), tuple(s for s in slots if s.path not in keys))
+        caches.report = BuildReport(tuple(budgeted), tuple(s for s in slots if s.path not in keys),
+                                    shard)
         return caches
 
     @staticmethod
@@ -222,5 +250,5 @@ class KVCacheBuilder:
         report = KVCacheBuilder.for_model(model, config).report  # validate now
         slots, filters = report.budgeted + report.kept, _layer_filters(model, config)
         model.make_cache = lambda *_a, **_k: KVCacheBuilder._build(config, slots, report.budgeted,
-                                                                   filters, model)
+                                                                   filters, model, report.shard)
         return report

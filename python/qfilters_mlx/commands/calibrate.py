@@ -72,7 +72,12 @@ def progress_chunks(chunks: list, stream=None):
 
 
 def run(parser, args, blas_library: str | None = None) -> int:
-    """Run ``calibrate``; returns the exit status."""
+    """Run ``calibrate``; returns the exit status.
+
+    Under ``mlx.launch`` the model is sharded over the ranks; each rank estimates its
+    KV heads' filters, they are gathered, and rank 0 writes one whole-model file (what
+    one process writes, see :func:`qfilters_mlx.filters.calibration.calibrate_filters`).
+    """
     if args.tokens < 1 or args.samples < 1 or args.chunk < 1:
         parser.error("--tokens, --samples and --chunk must be >= 1")
     if args.text is not None:
@@ -87,22 +92,37 @@ def run(parser, args, blas_library: str | None = None) -> int:
         text, source = calibration_text()
     model_path = resolve_model(parser, args.model)
 
+    from qfilters_mlx.commands import distributed
+
+    world = distributed.group()
+    with distributed.only_rank0_prints(world.rank()):
+        return _calibrate(parser, args, text, source, model_path, world)
+
+
+def _calibrate(parser, args, text, source, model_path, world) -> int:
+    """Load (sharded over the ranks under ``mlx.launch``), calibrate, write (rank 0)."""
     from mlx_lm import load
 
+    from qfilters_mlx.commands import distributed
     from qfilters_mlx.filters.calibration import calibrate_filters, save_filters
 
-    model, tokenizer = load(str(model_path))
+    if world.size() > 1:
+        model, tokenizer = distributed.load_sharded(parser, args, model_path)
+    else:
+        model, tokenizer = load(str(model_path))
     ids = encode_quietly(tokenizer, text)[: args.tokens]
     if len(ids) < 2:
         parser.error("--text: too little text")
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
     tic = time.perf_counter()
     try:
-        filters = calibrate_filters(model, progress_chunks(chunks), samples=args.samples)
+        filters = calibrate_filters(model, progress_chunks(chunks) if world.rank() == 0 else chunks,
+                                    samples=args.samples)
     except ValueError as err:  # QueriesNotCaptured names the layers; shapes that do not fit
         parser.error(str(err))
     save_filters(args.out, filters, model, calibration_text=source, calibration_tokens=len(ids),
                  samples_per_head=args.samples, model_path=str(model_path))
+    ranks = f" ({world.size()} ranks, tensor parallel; rank 0 wrote)" if world.size() > 1 else ""
     print(f"Wrote {args.out}: filters {tuple(filters.shape)} from {len(ids)} tokens of {source} "
-          f"in {time.perf_counter() - tic:.1f} s")
+          f"in {time.perf_counter() - tic:.1f} s{ranks}")
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from qfilters_mlx.commands import cache_options, generation, options, questions, summary
+from qfilters_mlx.commands import cache_options, distributed, generation, options, questions, summary
 from qfilters_mlx.commands.model_path import resolve_model
 
 __all__ = ["add_parser", "check_generation_args", "run"]
@@ -126,9 +126,21 @@ def _load_prompt_cache(parser, args):
 
 
 def run(parser, args, blas_library: str | None = None) -> int:
-    """Run ``generate`` (or the comparison mode); returns the exit status."""
+    """Run ``generate`` (or the comparison mode); returns the exit status.
+
+    Under ``mlx.launch`` (a world group of more than one rank) the model is sharded
+    over the ranks and only rank 0 prints (:mod:`qfilters_mlx.commands.distributed`).
+    """
     check_generation_args(parser, args)
     questions.check_combinations(parser, args)
+    world = distributed.group()
+    if world.size() > 1:
+        distributed.check_args(parser, args, world.size())
+    with distributed.only_rank0_prints(world.rank()):
+        return _run(parser, args, blas_library, world)
+
+
+def _run(parser, args, blas_library, world) -> int:
     if args.compare is not None:
         from qfilters_mlx.commands.compare import run_compare
 
@@ -157,9 +169,13 @@ def run(parser, args, blas_library: str | None = None) -> int:
     from qfilters_mlx.cache.builder import KVCacheBuilder
     from qfilters_mlx.filters.capture import QueriesNotCaptured
 
-    if args.seed is not None:
+    sharded = world.size() > 1
+    if sharded:
+        distributed.shared_seed(args.seed)
+    elif args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = generation.load_model(parser, args, model_path)
+    model, tokenizer = (distributed.load_sharded(parser, args, model_path) if sharded
+                        else generation.load_model(parser, args, model_path))
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
     tokens = generation.build_prompt(parser, args, tokenizer, text, suffix_of_cached=loaded is not None)
@@ -179,7 +195,8 @@ def run(parser, args, blas_library: str | None = None) -> int:
     if args.verbose:
         print("=" * 10, flush=True)
     on_text = (lambda t: print(t, end="", flush=True)) if args.verbose else None
-    progress = generation.prefill_progress(min_tokens=args.prefill_step_size) if args.verbose else None
+    progress = (generation.prefill_progress(min_tokens=args.prefill_step_size)
+                if args.verbose and world.rank() == 0 else None)
     try:
         result = generation.run_generation(model, tokenizer, tokens, caches, args, draft=draft,
                                            on_text=on_text, progress=progress)
@@ -190,8 +207,8 @@ def run(parser, args, blas_library: str | None = None) -> int:
         return 0
     print()
     print("=" * 10)
-    summary.print_lines(_summary_lines(model, model_path, config, result, shipped, blas_library,
-                                       args))
+    lines = _summary_lines(model, model_path, config, result, shipped, blas_library, args)
+    summary.print_lines(lines + (distributed.kv_lines(result.caches) if sharded else []))
     return 0
 
 

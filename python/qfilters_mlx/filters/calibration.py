@@ -27,7 +27,9 @@ from qfilters_mlx import __version__
 from qfilters_mlx.backends import reference
 from qfilters_mlx.filters.capture import QueriesNotCaptured, capture_attention, describe_layers
 from qfilters_mlx.identity import identity_fields, identity_mismatch, identity_of_fields  # noqa: F401
-from qfilters_mlx.model_info import budgeted_slots, check_filters_shape, default_caches, model_dims, walk
+from qfilters_mlx.model_info import (budgeted_slots, check_filters_shape, default_caches, filters_dims,
+                                     model_dims, walk)
+from qfilters_mlx.sharding import gather_heads, rank_of
 
 FORMAT = "qfilters-mlx/filters-v1"
 SIGN_CONVENTION = "score = +(k . f)"
@@ -48,7 +50,10 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
         seed: sampling seed.
 
     Returns:
-        ``[n_layers, n_kv_heads, head_dim]`` float32 unit vectors.
+        ``[n_layers, n_kv_heads, head_dim]`` float32 unit vectors. On one rank of a
+        tensor-parallel model each rank estimates its own KV heads and the result
+        gathers every rank's (``mx.distributed.all_gather``): the whole model's filters,
+        on every rank. A collective then: every rank must call it.
 
     Raises:
         ValueError: ``samples < 1``, no tokens, or the budgeted layers differ in
@@ -95,16 +100,19 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
             idx = np.sort(rng.choice(n, samples, replace=False))
             q = q[:, mx.array(idx)]
         filters.append(reference.estimate_filter_from_queries(q[None], n_kv))
-    return mx.stack(filters)
+    return gather_heads(mx.stack(filters), model)  # a tensor-parallel rank: every rank's heads
 
 
 def save_filters(path: str, filters: mx.array, model, **info) -> None:
     """Write ``filters [n_layers, n_kv_heads, head_dim]`` with metadata (see module doc).
 
     ``info`` adds string metadata (e.g. ``calibration_text``, ``calibration_tokens``).
+    On a tensor-parallel model ``filters`` are the whole model's (as
+    :func:`calibrate_filters` returns them), every rank must call this (the identity
+    gathers sampled weights from the ranks) and rank 0 writes the file.
     """
     check_filters_shape(filters, model)
-    n_layers, n_kv, hd = model_dims(model)
+    n_layers, n_kv, hd = filters_dims(model)
     fields = identity_fields(model)
     meta = {
         "format": FORMAT, "model_id": identity_of_fields(fields),
@@ -113,6 +121,8 @@ def save_filters(path: str, filters: mx.array, model, **info) -> None:
         "qfilters_mlx_version": __version__,
     }
     meta.update({k: str(v) for k, v in info.items()})
+    if rank_of(model)[0] != 0:
+        return
     mx.save_safetensors(path, {"filters": filters.astype(mx.float32)}, meta)
 
 
