@@ -56,7 +56,6 @@ class BatchQFiltersCache(_BaseCache):
         ValueError: the rows may not share a batch (see :func:`check_rows`).
     """
 
-    row_class = None  # QFiltersKVCache (set by qfilters_mlx.cache.kv_cache: no import cycle)
 
     def __init__(self, caches, left_padding=None):
         caches = list(caches)
@@ -255,9 +254,12 @@ class BatchQFiltersCache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        if self.row_class is None or len(v) % _ROW_STATE:
+        if len(v) % _ROW_STATE:
             raise ValueError(f"state must hold {_ROW_STATE} entries per row, got {len(v)}")
-        rows = [self.row_class.from_state(tuple(v[i : i + _ROW_STATE]))
+        # The row class as mlx-lm's loader resolves it (registered by qfilters_mlx.cache.kv_cache,
+        # which mlx-lm's cache module imports through qfilters_mlx.prompt_cache_hook).
+        row_class = mlx_cache.QFiltersKVCache
+        rows = [row_class.from_state(tuple(v[i : i + _ROW_STATE]))
                 for i in range(0, len(v), _ROW_STATE)]
         self.__init__(rows)
 

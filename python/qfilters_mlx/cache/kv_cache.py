@@ -35,7 +35,6 @@ from mlx_lm.models.cache import _BaseCache
 from qfilters_mlx.backends import reference
 from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.accounting import FILTER_BYTES_PER_ELEMENT, ByteAccountingMixin
-from qfilters_mlx.cache.batch import BatchQFiltersCache
 from qfilters_mlx.cache.compression import CompressionMixin
 from qfilters_mlx.cache.journal import CallRecord, RewindJournal, dropped_rows
 from qfilters_mlx.cache.persistence import PersistenceMixin
@@ -289,8 +288,12 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         return self.keys is None
 
     @classmethod
-    def merge(cls, caches) -> BatchQFiltersCache:
-        """Batch per-sequence caches (mlx-lm's ``BatchGenerator``): see :mod:`.batch`."""
+    def merge(cls, caches):
+        """Batch per-sequence caches (mlx-lm's ``BatchGenerator``) into a
+        :class:`~qfilters_mlx.cache.batch.BatchQFiltersCache` (imported here: importing
+        :mod:`.batch` first imports mlx-lm's cache module, whose hook imports this one)."""
+        from qfilters_mlx.cache.batch import BatchQFiltersCache
+
         return BatchQFiltersCache.merge(caches)
 
     def kept_positions(self) -> mx.array:
@@ -302,4 +305,3 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module:
 # make ours resolvable there (adds a name; changes nothing else in mlx-lm).
 mlx_cache.QFiltersKVCache = QFiltersKVCache
-BatchQFiltersCache.row_class = QFiltersKVCache
