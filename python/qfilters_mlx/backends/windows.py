@@ -39,8 +39,11 @@ def recent_windows(recent, n_heads: int, n_sink: int, limit: int, inclusive: boo
             raise TypeError(f"recent must be an int (head {h}), got {type(v).__name__}")
         v = values[h] = int(v)
         total = n_sink + v
-        if v < 0 or n_sink < 0 or (total > limit if inclusive else total >= limit):
-            rel = "<=" if inclusive else "<"
-            raise ValueError(f"need n_sink >= 0, recent >= 0 and n_sink + recent {rel} "
-                             f"{limit_name} ({limit}), got n_sink={n_sink}, recent={v} (head {h})")
+        where = "" if len(values) == 1 else f" (head {h})"
+        if v < 0 or n_sink < 0:
+            raise ValueError(f"n_sink and recent must be >= 0, got {n_sink}, {v}{where}")
+        if inclusive and total > limit:
+            raise ValueError(f"n_sink + recent ({total}) must not exceed {limit_name} ({limit}){where}")
+        if not inclusive and total >= limit:
+            raise ValueError(f"n_sink + recent ({total}) must be smaller than {limit_name} ({limit}){where}")
     return values

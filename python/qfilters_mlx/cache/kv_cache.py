@@ -106,6 +106,12 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         return self.config.method
 
     @property
+    def recent_window(self):
+        """This layer's recent window: one int, or ``H_kv`` ints (per head; see
+        :meth:`KVCacheConfig.layer_recent`)."""
+        return self.config.layer_recent(self.layer_idx)
+
+    @property
     def _needs_filter(self) -> bool:
         return self.method == "qfilters" and not self.filter_fixed
 
@@ -189,7 +195,7 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         n = self._n
         kept, k, v = self.backend.select_compact(
             self.scores[:, :, :n], self.keys[:, :, :n], self.values[:, :, :n],
-            c.qfilters_budget, c.qfilters_n_sink, c.protected_recent,
+            c.qfilters_budget, c.qfilters_n_sink, self.recent_window,
         )
         record = self._journal.last() if self._journal.active else None
         if isinstance(record, CallRecord) and record.dropped is None:  # this call's record

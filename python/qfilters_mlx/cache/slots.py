@@ -148,7 +148,7 @@ class SlotModeMixin:
         if self.method == "qfilters":  # score + bookkeeping in one op (cpp)
             self.scores, self.positions, self._free = be.decode_select_keys(
                 self.scores, self.positions, keys, self.filter, free, self.offset,
-                c.score_sign, c.qfilters_n_sink, c.protected_recent,
+                c.score_sign, c.qfilters_n_sink, self.recent_window,
             )
         else:
             pos = None
@@ -160,7 +160,7 @@ class SlotModeMixin:
             )
             self.scores, self.positions, self._free = be.decode_select(
                 self.scores, self.positions, new_scores, free, self.offset,
-                c.qfilters_n_sink, c.protected_recent,
+                c.qfilters_n_sink, self.recent_window,
             )
         self.offset += 1
         if record is None:
