@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                     help=f"arms of the 'segments' part (default {DEFAULT_SEGMENT_ARMS})")
     ev.add_argument("--segment-scored", type=int, default=2048,
                     help="scored tokens per segment (default 2048)")
+    ev.add_argument("--segment-prefix", type=int, default=128,
+                    help="tokens prefilled in one call before the scored ones (default 128; a long "
+                         "prefix scores tokens deep in the context at a fraction of the cost)")
     ev.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     ev.add_argument("--filters", default=None, metavar="FILE",
                     help="filters from `qfilters-mlx calibrate` for the calibrated-filter arm, and, "
@@ -80,6 +83,8 @@ def _command(args) -> str:
         parts += ["--segment-arms", args.segment_arms]
     if "segments" in args.parts and args.segment_scored != 2048:
         parts += ["--segment-scored", str(args.segment_scored)]
+    if "segments" in args.parts and args.segment_prefix != 128:
+        parts += ["--segment-prefix", str(args.segment_prefix)]
     if args.filters:
         parts += ["--filters", args.filters]
     return " ".join(shlex.quote(p) for p in parts)
@@ -240,7 +245,7 @@ def _run_segments(parser, args, model, tokenizer, text, settings, results, arms,
                      "per-head arms need --filters; the per-head arm a file with windows)")
     seg = SegmentSettings(budgets=tuple(settings.budgets), n_sink=settings.n_sink,
                           calib_tokens=settings.calib_tokens, seed=settings.seed, backend=settings.backend,
-                          ppl_prefix=settings.ppl_prefix,
+                          ppl_prefix=args.segment_prefix if not args.quick else settings.ppl_prefix,
                           ppl_scored=args.segment_scored if not args.quick else settings.ppl_scored)
     set_total(seg.ppl_scored * len(seg.segments))
     run_segments(model, tokenizer, text, seg, [by_name[n] for n in names], results, save=save,
