@@ -20,9 +20,11 @@ def _as_nested_ints(value) -> tuple:
     """Nested sequence / array of ints -> nested tuples of Python ints (1-D or 2-D)."""
     if hasattr(value, "tolist"):
         value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"qfilters_recent must be an int, 'calibrated' or a non-empty per-head table, "
-                         f"got {value!r}")
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"qfilters_recent must be an int, 'calibrated' or a per-head table, got "
+                        f"{type(value).__name__} ({value!r})")
+    if not value:
+        raise ValueError("qfilters_recent: a per-head table must not be empty")
     rows = [list(r) if isinstance(r, (list, tuple)) else r for r in value]
     two_d = all(isinstance(r, list) for r in rows)
     if not two_d and any(isinstance(r, list) for r in rows):
@@ -52,7 +54,7 @@ def resolve_recent(recent, budget: int, n_sink: int, method: str, filters):
         ValueError: ``"calibrated"`` without a filters file, or a file without windows for
             this budget and ``n_sink`` (names the budgets it has); a window < 0 or above
             ``budget - n_sink`` (names layer and head); a ragged table.
-        TypeError: a window that is not an int.
+        TypeError: a window that is not an int, or a value of another type.
     """
     if isinstance(recent, str):
         if recent != CALIBRATED:

@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                     help=f"arms of the 'segments' part (default {DEFAULT_SEGMENT_ARMS})")
     ev.add_argument("--segment-scored", type=int, default=2048,
                     help="scored tokens per segment (default 2048)")
+    ev.add_argument("--segments", default="A,B",
+                    help="segments of the 'segments' part (default A,B; one per process lets two "
+                         "processes share the work, each with its own --out)")
     ev.add_argument("--segment-prefix", type=int, default=128,
                     help="tokens prefilled in one call before the scored ones (default 128; a long "
                          "prefix scores tokens deep in the context at a fraction of the cost)")
@@ -83,6 +86,8 @@ def _command(args) -> str:
         parts += ["--segment-arms", args.segment_arms]
     if "segments" in args.parts and args.segment_scored != 2048:
         parts += ["--segment-scored", str(args.segment_scored)]
+    if "segments" in args.parts and args.segments != "A,B":
+        parts += ["--segments", args.segments]
     if "segments" in args.parts and args.segment_prefix != 128:
         parts += ["--segment-prefix", str(args.segment_prefix)]
     if args.filters:
@@ -246,7 +251,8 @@ def _run_segments(parser, args, model, tokenizer, text, settings, results, arms,
     seg = SegmentSettings(budgets=tuple(settings.budgets), n_sink=settings.n_sink,
                           calib_tokens=settings.calib_tokens, seed=settings.seed, backend=settings.backend,
                           ppl_prefix=args.segment_prefix if not args.quick else settings.ppl_prefix,
-                          ppl_scored=args.segment_scored if not args.quick else settings.ppl_scored)
+                          ppl_scored=args.segment_scored if not args.quick else settings.ppl_scored,
+                          segments=tuple(x.strip() for x in args.segments.split(",") if x.strip()))
     set_total(seg.ppl_scored * len(seg.segments))
     run_segments(model, tokenizer, text, seg, [by_name[n] for n in names], results, save=save,
                  progress=progress)
