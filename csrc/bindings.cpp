@@ -9,12 +9,28 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "decode_select.h"
 #include "qfilters.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+namespace {
+
+// `recent` from Python: one int for every head, or a sequence of H ints (one
+// window per head); the ops check the count against H.
+using RecentArg = std::variant<int, std::vector<int>>;
+
+std::vector<int> recent_list(const RecentArg& r) {
+  if (std::holds_alternative<int>(r)) {
+    return {std::get<int>(r)};
+  }
+  return std::get<std::vector<int>>(r);
+}
+
+} // namespace
 
 NB_MODULE(_ext, m) {
   m.doc() =
@@ -55,10 +71,10 @@ streams), else ``None``.)");
          const mlx::core::array& values,
          int budget,
          int n_sink,
-         int recent,
+         const RecentArg& recent,
          mlx::core::StreamOrDevice s) {
         auto out = qfilters::select_compact(
-            scores, keys, values, budget, n_sink, recent, s);
+            scores, keys, values, budget, n_sink, recent_list(recent), s);
         return std::make_tuple(out[0], out[1], out[2]);
       },
       "scores"_a,
@@ -71,13 +87,15 @@ streams), else ``None``.)");
       "stream"_a = nb::none(),
       R"(Sink/recent-masked top-k selection and compaction.
 
-Keeps the first ``n_sink`` and last ``recent`` positions and fills the rest of
-``budget`` with the highest scores (ties: earlier position; NaN lowest).
+Keeps the first ``n_sink`` and last ``recent`` positions (per head when
+``recent`` is a sequence of ``H`` ints) and fills the rest of ``budget`` with
+the highest scores (ties: earlier position; NaN lowest).
 
 Args:
     scores (array): ``[B, H, T]`` (converted to float32).
     keys (array): ``[B, H, T, Dk]``; values (array): ``[B, H, T, Dv]``.
-    budget (int): ``>= 1``; n_sink, recent (int): ``>= 0``, sum ``<= budget``.
+    budget (int): ``>= 1``; n_sink (int), recent (int or ``H`` ints): ``>= 0``,
+        ``n_sink + recent[h] <= budget``.
     stream: a CPU stream or device; default the CPU's default stream.
 
 Returns:
@@ -100,10 +118,11 @@ Reuses ``buf``'s memory when nothing else holds it (see reference.write_slot).)"
       "decode_select",
       [](const mlx::core::array& scores, const mlx::core::array& positions,
          const mlx::core::array& new_scores, const mlx::core::array& free,
-         int64_t position, int n_sink, int recent,
+         int64_t position, int n_sink, const RecentArg& recent,
          mlx::core::StreamOrDevice s) {
         auto o = qfilters::decode_select(scores, positions, new_scores, free,
-                                         position, n_sink, recent, s);
+                                         position, n_sink, recent_list(recent),
+                                         s);
         return std::make_tuple(o[0], o[1], o[2]);
       },
       "scores"_a,
@@ -118,17 +137,18 @@ Reuses ``buf``'s memory when nothing else holds it (see reference.write_slot).)"
       R"(Decode-step bookkeeping of the slot cache (see reference.decode_select).
 
 Records the new token's score and position in slot ``free[b, h]`` and returns
-``(scores, positions, victim)``; ``victim [B, H]`` is the slot to free next.)");
+``(scores, positions, victim)``; ``victim [B, H]`` is the slot to free next.
+``recent``: one int, or ``H`` ints (head ``h``'s window).)");
 
   m.def(
       "decode_select_keys",
       [](const mlx::core::array& scores, const mlx::core::array& positions,
          const mlx::core::array& new_keys, const mlx::core::array& filters,
          const mlx::core::array& free, int64_t position, int sign, int n_sink,
-         int recent, mlx::core::StreamOrDevice s) {
+         const RecentArg& recent, mlx::core::StreamOrDevice s) {
         auto o = qfilters::decode_select_keys(scores, positions, new_keys,
                                               filters, free, position, sign,
-                                              n_sink, recent, s);
+                                              n_sink, recent_list(recent), s);
         return std::make_tuple(o[0], o[1], o[2]);
       },
       "scores"_a,

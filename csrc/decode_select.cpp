@@ -80,9 +80,8 @@ void decode_select_kernel(const float* ns, int64_t ns_b, int64_t ns_h,
                           const mx::array& free,
                           mx::array& scores, mx::array& positions,
                           mx::array& victim, int64_t position, int n_sink,
-                          int recent) {
+                          const std::vector<int>& recent) {
   const int64_t B = scores.shape(0), H = scores.shape(1), S = scores.shape(2);
-  const int64_t recent_start = position + 1 - recent;
   float* sd = scores.data<float>();
   int64_t* pd = positions.data<int64_t>();
   const int32_t* fr = free.data<int32_t>();
@@ -93,6 +92,7 @@ void decode_select_kernel(const float* ns, int64_t ns_b, int64_t ns_h,
       slot = S - 1;  // never produced by this op; keep memory safe
     }
     const int64_t at = r * S + slot;
+    const int64_t recent_start = position + 1 - recent[r % H];
     const float s = ns[(r / H) * ns_b + (r % H) * ns_h];
     sd[at] = std::isfinite(s) ? s : -std::numeric_limits<float>::infinity();
     pd[at] = position;
@@ -186,7 +186,8 @@ namespace {
 void check_step(const char* op, const mx::array& scores,
                 const mx::array& positions, const mx::array& new_rows,
                 const char* new_name, const mx::array& free, int64_t position,
-                int n_sink, int recent) {
+                int n_sink, const std::vector<int>& recent,
+                std::vector<int>& per_head) {
   check_ndim(op, "scores", scores, 3, "[B, H, S]");
   check_ndim(op, "positions", positions, 3, "[B, H, S]");
   check_ndim(op, "free", free, 2, "[B, H]");
@@ -200,26 +201,24 @@ void check_step(const char* op, const mx::array& scores,
   if (scores.dtype() != mx::float32 || positions.dtype() != mx::int64) {
     fail(op, "scores must be float32 and positions int64");
   }
-  if (n_sink < 0 || recent < 0 ||
-      static_cast<int64_t>(n_sink) + recent >= scores.shape(2)) {
-    fail(op, "need n_sink >= 0, recent >= 0 and n_sink + recent < S (S = " +
-                 std::to_string(scores.shape(2)) + "), got n_sink=" +
-                 std::to_string(n_sink) + ", recent=" + std::to_string(recent));
-  }
+  per_head = detail::expand_recent(op, recent, scores.shape(1), n_sink,
+                                   scores.shape(2), false, "S");
   if (position < 0) {
     fail(op, "position must be >= 0, got " + std::to_string(position));
   }
 }
 
 std::vector<mx::array> make_step(std::vector<mx::array> inputs,
-                                 int64_t position, int n_sink, int recent,
-                                 int sign, mx::Stream stream) {
+                                 int64_t position, int n_sink,
+                                 std::vector<int> recent, int sign,
+                                 mx::Stream stream) {
   const mx::array& scores = inputs[0];
   const mx::Shape bh = {scores.shape(0), scores.shape(1)};
   const mx::Shape ss = scores.shape(), ps = inputs[1].shape();
   return mx::array::make_arrays(
       {ss, ps, bh}, {mx::float32, mx::int64, mx::int32},
-      std::make_shared<DecodeSelect>(stream, position, n_sink, recent, sign),
+      std::make_shared<DecodeSelect>(stream, position, n_sink,
+                                     std::move(recent), sign),
       std::move(inputs));
 }
 
@@ -229,11 +228,12 @@ std::vector<mx::array> decode_select(const mx::array& scores,
                                      const mx::array& positions,
                                      const mx::array& new_scores,
                                      const mx::array& free, int64_t position,
-                                     int n_sink, int recent,
+                                     int n_sink, const std::vector<int>& recent,
                                      mx::StreamOrDevice s) {
   check_ndim(kOp, "new_scores", new_scores, 3, "[B, H, 1]");
+  std::vector<int> per_head;
   check_step(kOp, scores, positions, new_scores, "new_scores", free, position,
-             n_sink, recent);
+             n_sink, recent, per_head);
   mx::Stream stream = cpu_stream(kOp, s);
   if (stream.device.type != mx::Device::cpu) {
     fail(kOp, "runs on the CPU only; use the reference path on the GPU");
@@ -242,24 +242,26 @@ std::vector<mx::array> decode_select(const mx::array& scores,
   // and copies the (small) state arrays.
   return make_step({scores, positions, mx::astype(new_scores, mx::float32, stream),
                     mx::astype(free, mx::int32, stream)},
-                   position, n_sink, recent, 0, stream);
+                   position, n_sink, std::move(per_head), 0, stream);
 }
 
 std::vector<mx::array> decode_select_keys(
     const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& filters, const mx::array& free,
-    int64_t position, int sign, int n_sink, int recent, mx::StreamOrDevice s) {
+    int64_t position, int sign, int n_sink, const std::vector<int>& recent,
+    mx::StreamOrDevice s) {
   constexpr const char* op = "qfilters.decode_select_keys";
   check_score_inputs(op, new_keys, filters, sign);
+  std::vector<int> per_head;
   check_step(op, scores, positions, new_keys, "new_keys", free, position,
-             n_sink, recent);
+             n_sink, recent, per_head);
   mx::Stream stream = cpu_stream(op, s);
   if (stream.device.type != mx::Device::cpu) {
     fail(op, "runs on the CPU only; use the reference path on the GPU");
   }
   return make_step({scores, positions, new_keys, mx::astype(free, mx::int32, stream),
                     mx::astype(filters, mx::float32, stream)},
-                   position, n_sink, recent, sign, stream);
+                   position, n_sink, std::move(per_head), sign, stream);
 }
 
 void DecodeSelect::eval_cpu(const std::vector<mx::array>& inputs,

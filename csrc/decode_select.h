@@ -2,11 +2,13 @@
 //
 //   decode_select(scores [B,H,S] f32, positions [B,H,S] int64,
 //                 new_scores [B,H,1], free [B,H] int32, position, n_sink, recent)
+//     (recent: one window for every head, or H windows, one per head)
 //     -> scores', positions' (slot free[b,h] now holds the new token: its
 //        score, non-finite stored as -inf, and `position`), victim [B,H] int32.
 //
 // victim is the slot to free next: among slots whose position is neither a
-// sink (< n_sink) nor in the recent window (>= position + 1 - recent), the
+// sink (< n_sink) nor in its head's recent window (>= position + 1 -
+// recent[h]), the
 // lowest score, and among equal scores the latest position (NaN lowest,
 // -0.0 == +0.0): exactly what reference.decode_select computes. The K/V rows
 // are written by write_slot (single output, so MLX lets it reuse the buffer;
@@ -30,7 +32,7 @@ std::vector<mx::array> decode_select(
     const mx::array& free,
     int64_t position,
     int n_sink,
-    int recent,
+    const std::vector<int>& recent,
     mx::StreamOrDevice s = {});
 
 // decode_select_keys: the same step with the new token's score computed in
@@ -46,7 +48,7 @@ std::vector<mx::array> decode_select_keys(
     int64_t position,
     int sign,
     int n_sink,
-    int recent,
+    const std::vector<int>& recent,
     mx::StreamOrDevice s = {});
 
 // write_slot(buf [B,H,S,D], rows [B,H,1,D], free [B,H] int32) -> buf with row
@@ -80,12 +82,13 @@ class DecodeSelect : public mx::Primitive {
  public:
   // sign == 0: inputs are (scores, positions, new_scores, free); sign = +-1:
   // (scores, positions, new_keys, free, filters), the score computed here.
-  DecodeSelect(mx::Stream stream, int64_t position, int n_sink, int recent,
-               int sign = 0)
+  // recent: one window per head (H values).
+  DecodeSelect(mx::Stream stream, int64_t position, int n_sink,
+               std::vector<int> recent, int sign = 0)
       : mx::Primitive(stream),
         position_(position),
         n_sink_(n_sink),
-        recent_(recent),
+        recent_(std::move(recent)),
         sign_(sign) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
@@ -103,7 +106,7 @@ class DecodeSelect : public mx::Primitive {
  private:
   int64_t position_;
   int n_sink_;
-  int recent_;
+  std::vector<int> recent_;
   int sign_;
 };
 

@@ -317,7 +317,8 @@ void gather_rows(const mx::array& in, int b, int h, const int32_t* kept, int K,
 void select_compact_kernel(const mx::array& scores, const mx::array& keys,
                            const mx::array& values, mx::array& kept_out,
                            mx::array& keys_out, mx::array& values_out,
-                           int budget, int n_sink, int recent) {
+                           int budget, int n_sink,
+                           const std::vector<int>& recent) {
   const int B = scores.shape(0), H = scores.shape(1), T_ = scores.shape(2);
   const int K = std::min(budget, T_);
   const auto& ss = scores.strides();
@@ -328,15 +329,13 @@ void select_compact_kernel(const mx::array& scores, const mx::array& keys,
   const size_t krow = static_cast<size_t>(keys.shape(3)) * keys.itemsize();
   const size_t vrow = static_cast<size_t>(values.shape(3)) * values.itemsize();
 
-  // Candidates are the positions outside the forced sink/recent sets.
-  // n_sink + recent <= budget, so when K < T the two sets are disjoint.
-  const int lo = n_sink, hi = T_ - recent;
-  const int n_cand = hi - lo;
-  const int n_pick = K - n_sink - recent;
+  // Candidates are the positions outside the forced sink/recent sets of each
+  // head. n_sink + recent[h] <= budget, so when K < T the two sets are
+  // disjoint. The buffers fit the head with the most candidates.
   std::vector<uint32_t> ord, work;
-  if (K < T_ && n_pick > 0) {
-    ord.resize(static_cast<size_t>(n_cand));
-    work.resize(static_cast<size_t>(n_cand));
+  if (K < T_) {
+    ord.resize(static_cast<size_t>(T_));
+    work.resize(static_cast<size_t>(T_));
   }
 
   for (int b = 0; b < B; ++b) {
@@ -348,8 +347,9 @@ void select_compact_kernel(const mx::array& scores, const mx::array& keys,
           kept[t] = t;
         }
       } else {
-        select_row(sp + b * ss[0] + h * ss[1], ss[2], T_, lo, hi, n_pick, ord,
-                   work, kept);
+        const int rh = recent[static_cast<size_t>(h)];
+        select_row(sp + b * ss[0] + h * ss[1], ss[2], T_, n_sink, T_ - rh,
+                   K - n_sink - rh, ord, work, kept);
       }
       gather_rows(keys, b, h, kept, K, ko + r * K * krow);
       gather_rows(values, b, h, kept, K, vo + r * K * vrow);
@@ -419,7 +419,8 @@ mx::array projection_scores(const mx::array& keys, const mx::array& filters,
 std::vector<mx::array> select_compact(const mx::array& scores,
                                       const mx::array& keys,
                                       const mx::array& values, int budget,
-                                      int n_sink, int recent,
+                                      int n_sink,
+                                      const std::vector<int>& recent,
                                       mx::StreamOrDevice s) {
   constexpr const char* op = "qfilters.select_compact";
   check_ndim(op, "scores", scores, 3, "[B, H, T]");
@@ -442,15 +443,8 @@ std::vector<mx::array> select_compact(const mx::array& scores,
   if (budget < 1) {
     fail(op, "budget must be >= 1, got " + std::to_string(budget));
   }
-  if (n_sink < 0 || recent < 0) {
-    fail(op, "n_sink and recent must be >= 0, got " + std::to_string(n_sink) +
-                 ", " + std::to_string(recent));
-  }
-  if (static_cast<int64_t>(n_sink) + recent > budget) {
-    fail(op, "n_sink + recent (" +
-                 std::to_string(static_cast<int64_t>(n_sink) + recent) +
-                 ") must not exceed budget (" + std::to_string(budget) + ")");
-  }
+  std::vector<int> per_head = detail::expand_recent(
+      op, recent, scores.shape(1), n_sink, budget, true, "budget");
   mx::Stream stream = cpu_stream(op, s);
   const int B = scores.shape(0), H = scores.shape(1), T_ = scores.shape(2);
   const int K = std::min(budget, T_);
@@ -459,7 +453,8 @@ std::vector<mx::array> select_compact(const mx::array& scores,
       {mx::Shape{B, H, K}, mx::Shape{B, H, K, keys.shape(3)},
        mx::Shape{B, H, K, values.shape(3)}},
       {mx::int32, keys.dtype(), values.dtype()},
-      std::make_shared<SelectCompact>(stream, budget, n_sink, recent),
+      std::make_shared<SelectCompact>(stream, budget, n_sink,
+                                      std::move(per_head)),
       {sc, keys, values});
 }
 
@@ -660,7 +655,10 @@ void SelectCompact::eval_gpu(const std::vector<mx::array>& inputs,
   enc.set_input_array(scores, 0);
   enc.set_vector_bytes(scores.shape(), 1);
   enc.set_vector_bytes(scores.strides(), 2);
-  enc.set_vector_bytes(std::vector<int>{budget_, n_sink_, recent_}, 3);
+  // params = {budget, n_sink, recent[0], ..., recent[H - 1]}
+  std::vector<int> params{budget_, n_sink_};
+  params.insert(params.end(), recent_.begin(), recent_.end());
+  enc.set_vector_bytes(params, 3);
   enc.set_output_array(kept, 4);
   enc.dispatch_threads(
       MTL::Size(static_cast<int64_t>(tg) * B * H, 1, 1), MTL::Size(tg, 1, 1));

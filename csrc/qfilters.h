@@ -7,12 +7,12 @@
 //   projection_scores(keys [B,H,T,D] f32|f16|bf16, filters [H,D], sign)
 //       -> scores [B,H,T] float32, sign * <k, u_h> accumulated in float32.
 //   select_compact(scores [B,H,T], keys [B,H,T,Dk], values [B,H,T,Dv],
-//                  budget, n_sink, recent)
+//                  budget, n_sink, recent)   (recent: 1 window or H, per head)
 //       -> kept [B,H,K] int32 ascending, keys [B,H,K,Dk], values [B,H,K,Dv],
 //          K = min(budget, T); kept rows are bit-exact copies.
 //
 // Selection rule (must equal reference.select_keep): the first n_sink and the
-// last `recent` positions are always kept; the other budget - n_sink - recent
+// last `recent[h]` positions (head h's window) are always kept; the other budget - n_sink - recent
 // slots go to the highest scores; among equal scores the earlier position
 // wins; NaN ranks with -inf (lowest); -0.0 equals +0.0. If budget >= T every
 // position is kept.
@@ -44,7 +44,7 @@ std::vector<mx::array> select_compact(
     const mx::array& values,
     int budget,
     int n_sink,
-    int recent,
+    const std::vector<int>& recent,
     mx::StreamOrDevice s = {});
 
 // Shared with decode_select_keys: the projection_scores input checks, and the
@@ -84,11 +84,13 @@ class ProjectionScores : public mx::Primitive {
 
 class SelectCompact : public mx::Primitive {
  public:
-  SelectCompact(mx::Stream stream, int budget, int n_sink, int recent)
+  // recent: one window per head (H values).
+  SelectCompact(mx::Stream stream, int budget, int n_sink,
+                std::vector<int> recent)
       : mx::Primitive(stream),
         budget_(budget),
         n_sink_(n_sink),
-        recent_(recent) {}
+        recent_(std::move(recent)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
@@ -105,7 +107,7 @@ class SelectCompact : public mx::Primitive {
  private:
   int budget_;
   int n_sink_;
-  int recent_;
+  std::vector<int> recent_;
 };
 
 } // namespace qfilters

@@ -48,4 +48,29 @@ mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   return stream;
 }
 
+std::vector<int> expand_recent(const char* op, const std::vector<int>& recent,
+                               int64_t H, int n_sink, int64_t limit,
+                               bool limit_inclusive, const char* limit_name) {
+  if (recent.size() != 1 && static_cast<int64_t>(recent.size()) != H) {
+    fail(op, "recent must be one int or one window per head (" +
+                 std::to_string(H) + "), got " +
+                 std::to_string(recent.size()) + " values");
+  }
+  std::vector<int> out(static_cast<size_t>(H));
+  for (int64_t h = 0; h < H; ++h) {
+    const int r = recent.size() == 1 ? recent[0] : recent[h];
+    const int64_t total = static_cast<int64_t>(n_sink) + r;
+    if (r < 0 || n_sink < 0 ||
+        (limit_inclusive ? total > limit : total >= limit)) {
+      fail(op, std::string("need n_sink >= 0, recent >= 0 and n_sink + recent ") +
+                   (limit_inclusive ? "<= " : "< ") + limit_name + " (" +
+                   std::to_string(limit) + "), got n_sink=" +
+                   std::to_string(n_sink) + ", recent=" + std::to_string(r) +
+                   " (head " + std::to_string(h) + ")");
+    }
+    out[static_cast<size_t>(h)] = r;
+  }
+  return out;
+}
+
 } // namespace qfilters::detail

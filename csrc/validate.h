@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/stream.h"
@@ -22,5 +23,13 @@ void check_ndim(const char* op, const char* name, const mx::array& a, int ndim,
 // The stream an op runs on: the CPU's default stream unless a stream is given;
 // a GPU stream only in Metal builds.
 mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s);
+
+// Per-head recent windows: `recent` holds one window for every head (size 1)
+// or one per head (size H). Returns H windows, each checked >= 0 and with
+// n_sink + window <= limit (limit_inclusive) or < limit (otherwise); the
+// message names the offending head.
+std::vector<int> expand_recent(const char* op, const std::vector<int>& recent,
+                               int64_t H, int n_sink, int64_t limit,
+                               bool limit_inclusive, const char* limit_name);
 
 } // namespace qfilters::detail

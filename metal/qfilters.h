@@ -18,7 +18,7 @@
 // Semantics are those of python/qfilters_mlx/reference.py (the oracle; this
 // code shares nothing with it):
 //   score  = sign * <k, u_h>, accumulated in float32;
-//   select = first n_sink and last `recent` positions always kept, the other
+//   select = first n_sink and last `recent[h]` positions always kept, the other
 //            budget - n_sink - recent slots to the highest scores; equal
 //            scores: the earlier position wins; NaN ranks with -inf (lowest);
 //            -0.0 equals +0.0; K = min(budget, T) positions, ascending;
@@ -193,11 +193,14 @@ struct qf_select_args {
   int64_t s0, s1, s2; // score strides, elements
 };
 
+// params = {budget, n_sink, recent[0], ..., recent[H - 1]}: one recent
+// window per head; row = b * H + h.
 template <typename ShapeP, typename StrideP, typename ParamP>
 inline qf_select_args qf_make_select_args(
     ShapeP scores_shape,
     StrideP scores_strides,
-    ParamP params) {
+    ParamP params,
+    uint row) {
   qf_select_args a;
   a.B = scores_shape[0];
   a.H = scores_shape[1];
@@ -207,7 +210,7 @@ inline qf_select_args qf_make_select_args(
   a.s2 = scores_strides[2];
   const int budget = params[0];
   const int n_sink = params[1];
-  const int recent = params[2];
+  const int recent = params[2 + int(row % uint(a.H))];
   if (budget >= a.T) {
     a.K = a.T;
     a.lo = a.T;
@@ -343,7 +346,7 @@ inline void qf_select_row(
 }
 
 // Arguments: scores [B,H,T] float32 with shape and strides, params =
-// {budget, n_sink, recent}, output kept [B,H,K] int32 (row-contiguous).
+// {budget, n_sink, recent[0], ..., recent[H - 1]}, output kept [B,H,K] int32 (row-contiguous).
 // Grid: one threadgroup per row (B * H threadgroups, 1-D).
 #define QF_SELECT_BODY(                                                     \
     scores,                                                                 \
@@ -361,7 +364,9 @@ inline void qf_select_row(
   QF_TG(uint, qf_part, 2 * QF_SELECT_MAX_TG / QF_SIMD);                     \
   QF_TG(uint, qf_bcast, 2);                                                 \
   qf_select_row(                                                            \
-      qf_make_select_args(scores_shape, scores_strides, params),            \
+      qf_make_select_args(                                                  \
+          scores_shape, scores_strides, params,                             \
+          threadgroup_position_in_grid.x),                                  \
       scores,                                                               \
       kept,                                                                 \
       qf_hist,                                                              \

@@ -21,10 +21,12 @@ def np_keep(scores, budget, n_sink, recent):
 
 
 def np_keep_rows(scores, budget, n_sink, recent):
-    """np_keep over a [B, H, T] array -> [B, H, K]."""
+    """np_keep over a [B, H, T] array -> [B, H, K]; ``recent`` is one int or one window
+    per head (head h of every batch row keeps its last ``recent[h]`` positions)."""
     s = np.asarray(scores)
     B, H, _ = s.shape
-    return np.stack([np.stack([np_keep(s[b, h], budget, n_sink, recent) for h in range(H)])
+    windows = list(recent) if np.ndim(recent) else [int(recent)] * H
+    return np.stack([np.stack([np_keep(s[b, h], budget, n_sink, windows[h]) for h in range(H)])
                      for b in range(B)])
 
 

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 from kernel_inputs import TIE_BREAK_CASES, TIE_BREAK_SCORES, score_array
+from oracle import np_keep_rows
 from qfilters_mlx.backends import metal as mk
 from qfilters_mlx.backends import reference
 
@@ -350,6 +351,22 @@ def _sink_recent(budget: int) -> list[tuple[int, int]]:
     return sorted({c for c in cands if c[0] + c[1] <= budget})
 
 
+def _params(budget: int, n_sink: int, recent, H: int) -> str:
+    """The select kernel's params {budget, n_sink, recent[0..H)} (one window per head)."""
+    windows = list(recent) if isinstance(recent, (list, tuple)) else [recent] * H
+    assert len(windows) == H
+    return ",".join(str(v) for v in (budget, n_sink, *windows))
+
+
+def _head_windows(recent: int, most: int, H: int, k: int):
+    """Every other case per head: head h gets recent, 0, most (= budget - n_sink), ...
+    rotated by k; else the one int ``recent``."""
+    if k % 2 == 0:
+        return recent
+    cycle = (recent, 0, most, most // 2)
+    return [cycle[(h + k) % 4] for h in range(H)]
+
+
 # The grid-stride kernels (score, gather) run with the Mac geometry while it
 # has at most this many threadgroups; bigger launches are emulated with this
 # many groups (same code path: every thread loops over its share), which keeps
@@ -397,11 +414,13 @@ def test_select_gather_emulated(emu, tmp_path, T):
                 mode = modes[(i + j + n_sink + recent) % 3]
                 s = _scores(rng, (B, H, T), mode)
                 ls = LAYOUTS[(i + j + n_sink) % len(LAYOUTS)]
+                recent = _head_windows(recent, budget - n_sink, H, i + j + n_sink)
                 ref_kept = np.array(reference.select_keep(mx.array(s), budget, n_sink, recent))
+                np.testing.assert_array_equal(ref_kept, np_keep_rows(s, budget, n_sink, recent))
                 ctx = f"B={B} H={H} budget={budget} sink={n_sink} recent={recent} mode={mode} {ls}"
                 for grid, tg in _select_launches(B, H, T, largest=i < 2):
                     p = e.add("select", {"kept": (ref_kept.size, np.int32)}, {"scores": _layout(s, ls)},
-                              params=f"{budget},{n_sink},{recent}", grid=grid, tg=tg,
+                              params=_params(budget, n_sink, recent, H), grid=grid, tg=tg,
                               mode="fibers", seed=j)
                     checks.append(("kept", p["kept"], ref_kept, f"{ctx} tg={tg}"))
             # Gather (its own kernel) once per budget, from the reference's
@@ -429,7 +448,7 @@ def test_select_tie_break_and_special_values_emulated(emu, tmp_path):
     for (budget, n_sink, recent) in cases:
         paths[(budget, n_sink, recent)] = e.add(
             "select", {"kept": (budget, np.int32)}, {"scores": s},
-            params=f"{budget},{n_sink},{recent}", grid=32, tg=32, mode="fibers", seed=budget)
+            params=_params(budget, n_sink, recent, 1), grid=32, tg=32, mode="fibers", seed=budget)
     e.run()
     for key, want in cases.items():
         assert Emu.read(paths[key]["kept"]).tolist() == want, key
@@ -453,10 +472,11 @@ def test_threads_mode_subset(emu, tmp_path):
         checks.append(("score", p["out"], keys_mx, filters))
         for mode_s in ("random", "ties"):
             s = _scores(rng, (B, H, T), mode_s)
-            budget, n_sink, recent = max(1, T // 3), min(4, T // 3), T // 9
+            budget, n_sink = max(1, T // 3), min(4, T // 3)
+            recent = [T // 9, 0, budget - n_sink] if mode_s == "ties" else T // 9
             ref_kept = np.array(reference.select_keep(mx.array(s), budget, n_sink, recent))
             p = e.add("select", {"kept": (ref_kept.size, np.int32)}, {"scores": _layout(s, "reversed")},
-                      params=f"{budget},{n_sink},{recent}", grid=64 * B * H, tg=64,
+                      params=_params(budget, n_sink, recent, H), grid=64 * B * H, tg=64,
                       mode="threads", seed=i)
             checks.append(("kept", p["kept"], ref_kept, None))
             K = ref_kept.shape[-1]

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from qfilters_mlx.backends.dispatch import BACKENDS
+from qfilters_mlx.recent_config import layer_recent, resolve_recent
 
 METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
 """Eviction methods sharing one engine (see DESIGN.md, "Scorers")."""
@@ -103,7 +104,11 @@ class KVCacheConfig:
             call (sinks and recent window included). Used by every method but
             ``full``.
         qfilters_n_sink: leading positions never evicted (attention sinks).
-        qfilters_recent: trailing positions never evicted; ``None`` (default)
+        qfilters_recent: trailing positions never evicted: one int for every layer and
+            KV head, a per-head table ``[n_layers, n_kv_heads]`` (or ``[n_kv_heads]`` for
+            every layer; each window in ``[0, budget - n_sink]``), or ``"calibrated"``
+            (the table stored in the ``qfilters_filters`` file for this budget and n_sink,
+            see :mod:`qfilters_mlx.recent_config`); ``None`` (default)
             means :func:`default_recent` of the budget and sinks (budget/2, capped to
             leave one scored slot), resolved at construction (so ``dataclasses.replace``
             with another budget must pass ``qfilters_recent=None`` again).
@@ -177,7 +182,7 @@ class KVCacheConfig:
     head_dim: int | None = None
     qfilters_budget: int = DEFAULT_BUDGET
     qfilters_n_sink: int = DEFAULT_N_SINK
-    qfilters_recent: int | None = None
+    qfilters_recent: int | str | tuple | None = None
     qfilters_calib_tokens: int = DEFAULT_CALIB_TOKENS
     qfilters_sign: int | str | None = None
     qfilters_seed: int = 0
@@ -200,7 +205,14 @@ class KVCacheConfig:
         if self.qfilters_recent is None:  # (compress_once: none, as kvpress; the question is outside)
             object.__setattr__(self, "qfilters_recent", 0 if self.qfilters_mode == "compress_once"
                                else default_recent(self.qfilters_budget, self.qfilters_n_sink))
-        _check_int("qfilters_recent", self.qfilters_recent, 0)
+        object.__setattr__(self, "qfilters_recent", resolve_recent(
+            self.qfilters_recent, self.qfilters_budget, self.qfilters_n_sink, self.method,
+            self.qfilters_filters))
+        if isinstance(self.qfilters_recent, int):
+            _check_int("qfilters_recent", self.qfilters_recent, 0)
+        elif self.qfilters_mode == "compress_once":
+            raise ValueError("qfilters_recent: per-head recent windows are for the streaming mode; "
+                             "qfilters_mode='compress_once' takes one int window")
         if self.qfilters_sign is None:
             object.__setattr__(self, "qfilters_sign", default_sign(self.qfilters_filter_source))
         _check_int("qfilters_calib_tokens", self.qfilters_calib_tokens, 1)
@@ -212,7 +224,8 @@ class KVCacheConfig:
                 f"qfilters_budget ({self.qfilters_budget})"
             )
         _check_compression(self)
-        if self.method != "streaming_llm" and self.qfilters_compression_ratio is None and (
+        if self.method != "streaming_llm" and self.qfilters_compression_ratio is None and isinstance(
+            self.qfilters_recent, int) and (
             self.qfilters_n_sink + self.qfilters_recent >= self.qfilters_budget
         ):
             raise ValueError(
@@ -265,6 +278,11 @@ class KVCacheConfig:
     def compress_once(self) -> bool:
         """Whether this is the compress-once mode (``qfilters_mode="compress_once"``)."""
         return self.qfilters_mode == "compress_once"
+
+    def layer_recent(self, layer: int):
+        """The recent window of layer ``layer``'s cache: :attr:`protected_recent` when it is
+        one int, else that layer's ``n_kv_heads`` windows (see :mod:`qfilters_mlx.recent_config`)."""
+        return layer_recent(self.protected_recent, layer)
 
     def with_head_dim(self, head_dim: int) -> "KVCacheConfig":
         """A copy with ``head_dim`` set (validated)."""

@@ -17,6 +17,10 @@ A *backend* provides these operations with the exact semantics of
   sign, n_sink, recent)``: ``decode_select`` of the Q-Filters score of
   ``new_keys [B,H,1,D]`` (one fused primitive in the cpp backend).
 
+``recent`` is one int (every head) or a sequence of ``H`` ints, one window per KV
+head (:mod:`qfilters_mlx.backends.windows`); every backend checks it and applies
+head ``h``'s window to row ``[b, h]``.
+
 Backends: ``"reference"`` (pure MLX, always available), ``"cpp"`` (the compiled
 extension ``qfilters_mlx._ext``), ``"metal"`` (Metal kernels). ``"auto"`` picks
 metal when the default device is a Metal GPU, else cpp when the extension

@@ -34,6 +34,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from qfilters_mlx.backends.windows import recent_windows
+
 __all__ = [
     "SIMD",
     "score_launch",
@@ -154,7 +156,8 @@ def _check_score_args(keys: mx.array, filters: mx.array, sign: int) -> None:
         _fail(op, f"keys has {keys.size} elements; the Metal kernels index with 32 bits")
 
 
-def _check_select_args(scores, keys, values, budget, n_sink, recent) -> None:
+def _check_select_args(scores, keys, values, budget, n_sink, recent) -> list[int]:
+    """Checks the arguments; returns the ``H`` recent windows (``recent``: one int or ``H``)."""
     op = "select_compact"
     for name, a in (("scores", scores), ("keys", keys), ("values", values)):
         if not isinstance(a, mx.array):
@@ -173,15 +176,17 @@ def _check_select_args(scores, keys, values, budget, n_sink, recent) -> None:
             _fail(op, f"{name} has {a.size} elements; the Metal kernels index with 32 bits")
     if not mx.issubdtype(scores.dtype, mx.floating):
         _fail(op, f"scores must be a floating-point array, got {scores.dtype}")
-    for name, v in (("budget", budget), ("n_sink", n_sink), ("recent", recent)):
+    for name, v in (("budget", budget), ("n_sink", n_sink)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"[qfilters.{op}] {name} must be an int, got {type(v).__name__}")
     if budget < 1:
         _fail(op, f"budget must be >= 1, got {budget}")
-    if n_sink < 0 or recent < 0:
-        _fail(op, f"n_sink and recent must be >= 0, got {n_sink}, {recent}")
-    if n_sink + recent > budget:
-        _fail(op, f"n_sink + recent ({n_sink + recent}) must not exceed budget ({budget})")
+    try:
+        return recent_windows(recent, scores.shape[1], n_sink, budget, inclusive=True)
+    except TypeError as e:
+        raise TypeError(f"[qfilters.{op}] {e}") from None
+    except ValueError as e:
+        _fail(op, str(e))
 
 
 # --------------------------------------------------------------------------
@@ -246,11 +251,12 @@ class JitKernels:
         inputs = [keys.view(storage), filters.astype(mx.float32), mx.array([sign], dtype=mx.int32)]
         return self._launch(self._score[keys.dtype], inputs, (B, H, T), mx.float32, score_launch(B, H, T))
 
-    def select(self, scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
-        """Kept positions ``[B, H, min(budget, T)]`` int32, ascending."""
+    def select(self, scores: mx.array, budget: int, n_sink: int, recent: list[int]) -> mx.array:
+        """Kept positions ``[B, H, min(budget, T)]`` int32, ascending; ``recent``: ``H``
+        windows (params ``{budget, n_sink, recent[0..H)}``, see metal/qfilters.h)."""
         B, H, T = scores.shape
         K = min(budget, T)
-        inputs = [scores.astype(mx.float32), mx.array([budget, n_sink, recent], dtype=mx.int32)]
+        inputs = [scores.astype(mx.float32), mx.array([budget, n_sink, *recent], dtype=mx.int32)]
         return self._launch(self._select, inputs, (B, H, K), mx.int32, select_launch(B, H, T))
 
     def gather(self, x: mx.array, kept: mx.array) -> mx.array:
@@ -263,14 +269,14 @@ class JitKernels:
         return out.view(x.dtype)
 
     def select_compact(self, scores, keys, values, budget, n_sink=0, recent=0):
-        _check_select_args(scores, keys, values, budget, n_sink, recent)
+        windows = _check_select_args(scores, keys, values, budget, n_sink, recent)
         B, H, T = scores.shape
         K = min(budget, T)
         if B * H * K == 0:
             return (mx.zeros((B, H, K), mx.int32),
                     mx.zeros((B, H, K, keys.shape[3]), keys.dtype),
                     mx.zeros((B, H, K, values.shape[3]), values.dtype))
-        kept = self.select(scores, budget, n_sink, recent)
+        kept = self.select(scores, budget, n_sink, windows)
         k = self.gather(keys, kept) if keys.shape[3] else mx.zeros((B, H, K, 0), keys.dtype)
         v = self.gather(values, kept) if values.shape[3] else mx.zeros((B, H, K, 0), values.dtype)
         return kept, k, v
@@ -296,6 +302,8 @@ def _metallib_ops() -> tuple[Callable, Callable] | None:
         return _ext.projection_scores(keys, filters, sign, stream=mx.gpu)
 
     def select_compact(scores, keys, values, budget, n_sink=0, recent=0):
+        if not isinstance(recent, int):  # per head: a list for the binding
+            recent = [int(r) for r in (recent.tolist() if hasattr(recent, "tolist") else recent)]
         return _ext.select_compact(scores, keys, values, budget, n_sink, recent, stream=mx.gpu)
 
     return projection_scores, select_compact

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from qfilters_mlx.backends.windows import recent_windows
+
 __all__ = [
     "estimate_filter_from_keys",
     "estimate_filter_from_queries",
@@ -185,11 +187,12 @@ def _rank_key(scores: mx.array) -> mx.array:
     return (ordered.astype(mx.uint64) << 32) | low.astype(mx.uint64)
 
 
-def select_keep(scores: mx.array, budget: int, n_sink: int = 0, recent: int = 0) -> mx.array:
+def select_keep(scores: mx.array, budget: int, n_sink: int = 0, recent=0) -> mx.array:
     """Positions kept by sink/recent-masked top-k selection.
 
-    The first ``n_sink`` and the last ``recent`` positions are always kept; the
-    remaining ``budget - n_sink - recent`` slots go to the highest scores among
+    The first ``n_sink`` and the last ``recent`` positions (``recent[h]`` for head
+    ``h`` when per head) are always kept; the remaining ``budget - n_sink - recent``
+    slots go to the highest scores among
     the other positions (StreamingLLM's sinks, Xiao et al. 2023, plus the
     Q-Filters ranking, Godey et al. 2025 Sec. 3). Ties: the earlier position
     wins; NaN ranks lowest.
@@ -198,7 +201,8 @@ def select_keep(scores: mx.array, budget: int, n_sink: int = 0, recent: int = 0)
         scores: ``[B, H, T]`` float32.
         budget: tokens kept per (batch row, head); ``>= 1``.
         n_sink: leading positions always kept; ``>= 0``.
-        recent: trailing positions always kept; ``>= 0``.
+        recent: trailing positions always kept, ``>= 0``: one int, or ``H`` ints (a
+            sequence or 1-D array; head ``h`` keeps its last ``recent[h]``).
 
     Returns:
         ``[B, H, min(budget, T)]`` int32 positions, ascending along the last axis.
@@ -206,24 +210,22 @@ def select_keep(scores: mx.array, budget: int, n_sink: int = 0, recent: int = 0)
 
     Raises:
         TypeError, ValueError: bad rank or ``budget < 1``, ``n_sink < 0``,
-        ``recent < 0``, ``n_sink + recent > budget``.
+        a window ``< 0``, ``n_sink + recent[h] > budget``, or not ``H`` windows.
     """
     _check_ndim("scores", scores, 3)
-    for name, v in (("budget", budget), ("n_sink", n_sink), ("recent", recent)):
+    for name, v in (("budget", budget), ("n_sink", n_sink)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    if n_sink < 0 or recent < 0:
-        raise ValueError(f"n_sink and recent must be >= 0, got {n_sink}, {recent}")
-    if n_sink + recent > budget:
-        raise ValueError(f"n_sink + recent ({n_sink + recent}) must not exceed budget ({budget})")
     B, H, T = scores.shape
+    windows = recent_windows(recent, H, n_sink, budget, inclusive=True)
     if budget >= T:
         return mx.broadcast_to(mx.arange(T, dtype=mx.int32), (B, H, T))
     key = _rank_key(scores)
     pos = mx.arange(T)
-    forced = (pos < n_sink) | (pos >= T - recent)
+    start = (T - mx.array(windows, dtype=mx.int32))[None, :, None]  # [1, H, 1]
+    forced = (pos < n_sink) | (pos >= start)
     key = mx.where(forced, _key_max(), key)
     # Partial selection, O(T) per row: the budget-th largest key is the threshold.
     # Keys are unique outside the forced set, and forced positions (<= budget of
@@ -262,7 +264,7 @@ def write_slot(buf: mx.array, rows: mx.array, free: mx.array) -> mx.array:
     return mx.put_along_axis(buf, free.astype(mx.int32)[:, :, None, None], rows, axis=2)
 
 
-def decode_select(scores, positions, new_scores, free, position: int, n_sink: int, recent: int):
+def decode_select(scores, positions, new_scores, free, position: int, n_sink: int, recent):
     """Bookkeeping of one decode step of the slot-based eviction cache.
 
     The cache holds ``S = budget + 1`` slots per (batch row, KV head), one of
@@ -270,7 +272,7 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
     :func:`write_slot`; its score and position here), after which all ``S``
     slots are live and attended to. Then the slot to free next is chosen: the
     lowest-ranked slot whose position is neither a sink (``< n_sink``) nor in
-    the recent window (``>= position + 1 - recent``), with the ranking of
+    its head's recent window (``>= position + 1 - recent[h]``), with the ranking of
     :func:`select_keep` (lowest score; among equal scores the *later* position
     goes first). Repeating this keeps exactly the set :func:`select_keep`
     keeps over all tokens seen (by induction: the top ``m`` of a set plus one
@@ -281,11 +283,16 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
         new_scores: ``[B, H, 1]`` (non-finite values are stored as ``-inf``).
         free: ``[B, H]`` int32 slot being written.
         position: absolute position of the new token.
-        n_sink, recent: as in :func:`select_keep` (``n_sink + recent < S``).
+        n_sink, recent: as in :func:`select_keep` (one int or ``H`` windows;
+            ``n_sink + recent[h] < S``).
 
     Returns:
         ``(scores, positions, victim [B, H] int32)``.
     """
+    if not isinstance(recent, int) or isinstance(recent, bool):
+        windows = recent_windows(recent, scores.shape[1], n_sink, scores.shape[2], inclusive=False,
+                                 limit_name="S")
+        recent = mx.array(windows, dtype=mx.int64)[None, :, None]  # [1, H, 1]
     idx = free.astype(mx.int32)[:, :, None]
     s_new = new_scores.astype(mx.float32)
     s_new = mx.where(mx.isfinite(s_new), s_new, -mx.inf)

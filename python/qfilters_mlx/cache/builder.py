@@ -9,10 +9,11 @@ reported; multi-head latent attention is refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.recent_config import per_layer_table
 from qfilters_mlx.model_info import (BOUNDED_CACHES, CacheSlot, default_caches, probe_layout,
                                      replace_at, walk)
 
@@ -206,8 +207,12 @@ class KVCacheBuilder:
     def _build(config: KVCacheConfig, slots, budgeted, filters, model, shard=None) -> BudgetedCaches:
         """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
         caches = BudgetedCaches(default_caches(model))
+        table = per_layer_table(config, len(budgeted))
         for i, s in enumerate(budgeted):
-            c = QFiltersKVCache(config.with_head_dim(s.key_dim), layer_idx=s.layer,
+            cfg = config.with_head_dim(s.key_dim)
+            if table:  # per-head windows of budgeted slot i (rows follow the filters' order)
+                cfg = replace(cfg, qfilters_recent=config.layer_recent(i))
+            c = QFiltersKVCache(cfg, layer_idx=s.layer,
                                 filters=None if filters is None else filters[i])
             replace_at(caches, s.path, c)
         keys = {s.path for s in budgeted}

@@ -93,7 +93,7 @@ class CompressionMixin:
         """``(n_sink, recent)`` at ``budget`` kept rows (cut to it, sinks first)."""
         c = self.config
         if not c.compress_once:
-            return c.qfilters_n_sink, c.protected_recent
+            return c.qfilters_n_sink, self.recent_window  # (one int, or H_kv per-head windows)
         sinks = min(c.qfilters_n_sink, budget)
         if c.method == "streaming_llm":
             return sinks, budget - sinks

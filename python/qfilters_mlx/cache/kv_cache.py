@@ -109,6 +109,12 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         return self.config.method
 
     @property
+    def recent_window(self):
+        """This layer's recent window: one int, or ``H_kv`` ints (per head; see
+        :meth:`KVCacheConfig.layer_recent`)."""
+        return self.config.layer_recent(self.layer_idx)
+
+    @property
     def _needs_filter(self) -> bool:
         return self.method == "qfilters" and not self.filter_fixed
 

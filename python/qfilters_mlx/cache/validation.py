@@ -51,6 +51,10 @@ class ValidationMixin:
                 f"filters shape {tuple(self.filter.shape)} does not match keys "
                 f"[H_kv, D] = {(keys.shape[1], keys.shape[3])}"
             )
+        window = self.recent_window
+        if not isinstance(window, int) and len(window) != keys.shape[1]:
+            raise ValueError(f"layer {self.layer_idx}: qfilters_recent has {len(window)} per-head "
+                             f"windows, the keys have H_kv = {keys.shape[1]} heads")
         hd = self.config.head_dim
         if hd is not None and keys.shape[3] != hd:
             raise ValueError(f"keys head_dim {keys.shape[3]} does not match config.head_dim {hd}")

@@ -126,8 +126,12 @@ def describe_config(config) -> str:
     parts.append(f"budget={config.qfilters_budget} n_sink={config.qfilters_n_sink}")
     if config.method == "streaming_llm":
         parts.append(f"recent={config.protected_recent} (budget - n_sink)")
-    else:
+    elif isinstance(config.qfilters_recent, int):
         parts.append(f"recent={config.qfilters_recent}")
+    else:  # per-head windows: [n_layers, H_kv] or [H_kv]
+        rows = config.qfilters_recent if isinstance(config.qfilters_recent[0], tuple) else (config.qfilters_recent,)
+        flat = [w for row in rows for w in row]
+        parts.append(f"recent=per head ({min(flat)}..{max(flat)}, mean {sum(flat) / len(flat):.1f})")
     if config.method == "qfilters":
         f = config.qfilters_filters
         if f is not None:

@@ -13,6 +13,8 @@ __all__ = ["add_parser", "encode_quietly", "progress_chunks", "run"]
 DEFAULT_CALIB_TEXT_TOKENS = 4096
 DEFAULT_CALIB_SAMPLES = 4096
 DEFAULT_CHUNK = 1024
+DEFAULT_WINDOW_CHUNK = 2048
+DEFAULT_WINDOW_BUDGETS = (64, 128, 256, 512)
 
 
 def add_parser(sub) -> None:
@@ -39,6 +41,18 @@ def add_parser(sub) -> None:
                      help=f"at most this many query rows per head (default {DEFAULT_CALIB_SAMPLES})")
     cal.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                      help=f"tokens per independent forward pass (default {DEFAULT_CHUNK})")
+    cal.add_argument("--window-budgets", default=",".join(map(str, DEFAULT_WINDOW_BUDGETS)),
+                     metavar="B1,B2,...",
+                     help="budgets to calibrate per-head recent windows for (stored with the filters, "
+                          "used by qfilters_recent='calibrated' / --recent calibrated); '' for none "
+                          f"(default {','.join(map(str, DEFAULT_WINDOW_BUDGETS))})")
+    cal.add_argument("--window-chunk", type=int, default=DEFAULT_WINDOW_CHUNK,
+                     help="tokens per forward pass of the window search (the same calibration tokens; "
+                          f"default {DEFAULT_WINDOW_CHUNK})")
+    cal.add_argument("--window-n-sink", type=int, default=4, help="sinks the windows are calibrated for")
+    cal.add_argument("--filters-from", default=None, metavar="FILE",
+                     help="take the filters from this earlier `calibrate` output (same model, checked) "
+                          "instead of estimating them again; only the per-head windows are computed")
 
 
 def encode_quietly(tokenizer, text: str) -> list[int]:
@@ -78,8 +92,14 @@ def run(parser, args, blas_library: str | None = None) -> int:
     KV heads' filters, they are gathered, and rank 0 writes one whole-model file (what
     one process writes, see :func:`qfilters_mlx.filters.calibration.calibrate_filters`).
     """
-    if args.tokens < 1 or args.samples < 1 or args.chunk < 1:
-        parser.error("--tokens, --samples and --chunk must be >= 1")
+    if args.tokens < 1 or args.samples < 1 or args.chunk < 1 or args.window_chunk < 1:
+        parser.error("--tokens, --samples, --chunk and --window-chunk must be >= 1")
+    try:
+        budgets = tuple(int(b) for b in args.window_budgets.split(",") if b.strip())
+    except ValueError:
+        parser.error(f"--window-budgets: not a comma-separated list of ints: {args.window_budgets!r}")
+    if any(b <= args.window_n_sink for b in budgets) or args.window_n_sink < 0:
+        parser.error("--window-budgets: every budget must exceed --window-n-sink (>= 0)")
     if args.text is not None:
         try:
             text = Path(args.text).read_text(encoding="utf-8")
@@ -115,13 +135,50 @@ def _calibrate(parser, args, text, source, model_path, world) -> int:
         parser.error("--text: too little text")
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
     tic = time.perf_counter()
-    try:
-        filters = calibrate_filters(model, progress_chunks(chunks) if world.rank() == 0 else chunks,
-                                    samples=args.samples)
-    except ValueError as err:  # QueriesNotCaptured names the layers; shapes that do not fit
-        parser.error(str(err))
-    save_filters(args.out, filters, model, calibration_text=source, calibration_tokens=len(ids),
-                 samples_per_head=args.samples, model_path=str(model_path))
+    if args.filters_from:
+        from qfilters_mlx.filters.calibration import load_filters
+
+        try:
+            filters, _ = load_filters(args.filters_from, model)
+        except (OSError, ValueError) as err:
+            parser.error(f"--filters-from: {err}")
+    else:
+        try:
+            filters = calibrate_filters(model, progress_chunks(chunks) if world.rank() == 0 else chunks,
+                                        samples=args.samples)
+        except ValueError as err:  # QueriesNotCaptured names the layers; shapes that do not fit
+            parser.error(str(err))
+    windows, info = None, {}
+    if budgets and world.size() > 1:
+        print("Per-head recent windows are not chosen under mlx.launch (each rank sees only its "
+              "KV heads): the file holds the filters only; run `qfilters-mlx calibrate "
+              "--filters-from FILE` in one process to add them.", file=sys.stderr, flush=True)
+    elif budgets:
+        import numpy as np
+
+        from qfilters_mlx.filters.window_capture import keys_and_queries
+        from qfilters_mlx.filters.windows import calibrate_windows, window_tensors
+
+        print("Choosing per-head recent windows (budgets "
+              f"{', '.join(map(str, budgets))})...", file=sys.stderr, flush=True)
+        wchunks = [ids[i:i + args.window_chunk] for i in range(0, len(ids), args.window_chunk)]
+        try:
+            w, summary = calibrate_windows(keys_and_queries(model, wchunks), np.array(filters),
+                                           n_sink=args.window_n_sink, budgets=budgets)
+        except ValueError as err:
+            parser.error(f"--window-budgets: {err}")
+        windows = window_tensors(w, budgets, args.window_n_sink, summary)
+        for b in budgets:
+            m = summary[b]
+            print(f"  budget {b}: mean window {m['mean_window']:.1f} (0: {m['share_zero']:.0%} of heads, "
+                  f"budget - n_sink: {m['share_full']:.0%}); captured attention mass {m['mass_chosen']:.4f} "
+                  f"vs {m['mass_half']:.4f} at budget/2, {m['mass_streaming']:.4f} StreamingLLM",
+                  file=sys.stderr)
+    if args.filters_from:
+        info["filters_from"] = args.filters_from
+    save_filters(args.out, filters, model, windows=windows, calibration_text=source,
+                 calibration_tokens=len(ids), samples_per_head=args.samples, model_path=str(model_path),
+                 **info)
     ranks = f" ({world.size()} ranks, tensor parallel; rank 0 wrote)" if world.size() > 1 else ""
     print(f"Wrote {args.out}: filters {tuple(filters.shape)} from {len(ids)} tokens of {source} "
           f"in {time.perf_counter() - tic:.1f} s{ranks}")

@@ -49,12 +49,29 @@ def add_parser(sub) -> None:
                     help="rewrite the .md and .png from an existing --out without running")
     ev.add_argument("--parts", default=PARTS,
                     help="comma-separated measures to run (default: all, in this order; "
-                         "'protocols' is retrieval in the streaming and compress-once protocols)")
+                         "'protocols' is retrieval in the streaming and compress-once protocols); "
+                         "'segments' (not in the default): perplexity of --segment-arms on two "
+                         "held-out segments with per-token NLLs and the bootstrap gap ratio to "
+                         "StreamingLLM")
+    ev.add_argument("--segment-arms", default=DEFAULT_SEGMENT_ARMS,
+                    help=f"arms of the 'segments' part (default {DEFAULT_SEGMENT_ARMS})")
+    ev.add_argument("--segment-scored", type=int, default=2048,
+                    help="scored tokens per segment (default 2048)")
+    ev.add_argument("--segments", default="A,B",
+                    help="segments of the 'segments' part (default A,B; one per process lets two "
+                         "processes share the work, each with its own --out)")
+    ev.add_argument("--segment-prefix", type=int, default=128,
+                    help="tokens prefilled in one call before the scored ones (default 128; a long "
+                         "prefix scores tokens deep in the context at a fraction of the cost)")
     ev.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     ev.add_argument("--filters", default=None, metavar="FILE",
-                    help="filters from `qfilters-mlx calibrate` for the calibrated-filter arm "
-                         "(without it that arm is left out; the online query-filter and auto-sign "
-                         "arms always run)")
+                    help="filters from `qfilters-mlx calibrate` for the calibrated-filter arm, and, "
+                         "when the file holds per-head recent windows, the per-head arm "
+                         "(qfilters-perhead); without it those arms are left out (the online "
+                         "query-filter and auto-sign arms always run)")
+
+
+DEFAULT_SEGMENT_ARMS = "streaming_llm,qfilters-calibrated@r1/2,qfilters-perhead"
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -71,20 +88,36 @@ def _command(args) -> str:
         parts += ["--out", args.out]
     if args.parts != PARTS:
         parts += ["--parts", args.parts]
+    if "segments" in args.parts and args.segment_arms != DEFAULT_SEGMENT_ARMS:
+        parts += ["--segment-arms", args.segment_arms]
+    if "segments" in args.parts and args.segment_scored != 2048:
+        parts += ["--segment-scored", str(args.segment_scored)]
+    if "segments" in args.parts and args.segments != "A,B":
+        parts += ["--segments", args.segments]
+    if "segments" in args.parts and args.segment_prefix != 128:
+        parts += ["--segment-prefix", str(args.segment_prefix)]
     if args.filters:
         parts += ["--filters", args.filters]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def _write_report(out: Path, results: dict, command: str) -> None:
-    from qfilters_mlx.evaluation.report import figure, markdown
-
-    out.with_suffix(".md").write_text(markdown(results, command) + "\n")
-    fig = figure(results)
-    fig.savefig(out.with_suffix(".png"), dpi=110)
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    from qfilters_mlx.evaluation.report import figure, markdown
+    from qfilters_mlx.evaluation.segment_report import segment_figure, segment_markdown
+
+    text = markdown(results, command) + "\n" if "settings" in results else f"Command: `{command}`\n\n"
+    if "segments" in results:
+        text += "\n" + segment_markdown(results) + "\n"
+        fig = segment_figure(results)
+        fig.savefig(out.with_name(out.stem + "_segments.png"), dpi=110)
+        plt.close(fig)
+    out.with_suffix(".md").write_text(text)
+    if "settings" in results:
+        fig = figure(results)
+        fig.savefig(out.with_suffix(".png"), dpi=110)
+        plt.close(fig)
 
 
 def run(parser, args, blas_library: str | None = None) -> int:
@@ -114,7 +147,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     from qfilters_mlx.assets.prompts import source_text
 
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(parts) - set(PARTS.split(","))
+    unknown = set(parts) - set(PARTS.split(",")) - {"segments"}
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     settings = EvalSettings.quick_settings() if args.quick else EvalSettings.full()
@@ -128,6 +161,17 @@ def run(parser, args, blas_library: str | None = None) -> int:
         except (OSError, ValueError) as err:
             parser.error(f"--filters: {err}")
     arms = default_arms() + query_arms(filters)
+    if args.filters:
+        from qfilters_mlx.evaluation.arms import perhead_arm
+        from qfilters_mlx.filters.windows import load_windows
+
+        try:
+            windows = {b: load_windows(args.filters, b, settings.n_sink) for b in settings.budgets}
+        except ValueError as err:
+            windows = None
+            print(f"note: no per-head arm ({err})", file=sys.stderr)
+        if windows is not None:
+            arms.append(perhead_arm(filters, windows))
     try:
         text = source_text()
     except RuntimeError as err:
@@ -164,9 +208,14 @@ def run(parser, args, blas_library: str | None = None) -> int:
 
     save.t = time.perf_counter()
     try:
-        run_evaluation(model, tokenizer, text, settings, results, save=save, progress=progress,
-                       set_total=set_total, capture=capture_attention, parts=parts, arms=arms,
-                       filters=filters)
+        harness = tuple(p for p in parts if p not in ("segments", "protocols"))
+        if harness:
+            run_evaluation(model, tokenizer, text, settings, results, save=save, progress=progress,
+                           set_total=set_total, capture=capture_attention, parts=harness, arms=arms,
+                           filters=filters)
+        if "segments" in parts:
+            _run_segments(parser, args, model, tokenizer, text, settings, results, arms, save, progress,
+                          set_total)
         if "protocols" in parts:
             from qfilters_mlx.evaluation.protocols import ProtocolSettings, run_protocols
 
@@ -200,3 +249,23 @@ def run(parser, args, blas_library: str | None = None) -> int:
     print(out.with_suffix(".md").read_text())
     print(f"results: {out}  table: {out.with_suffix('.md')}  plot: {out.with_suffix('.png')}")
     return status
+
+
+def _run_segments(parser, args, model, tokenizer, text, settings, results, arms, save, progress, set_total):
+    """The 'segments' part: the chosen arms on segments A and B (see evaluation.segments)."""
+    from qfilters_mlx.evaluation.segments import SegmentSettings, run_segments
+
+    names = [a.strip() for a in args.segment_arms.split(",") if a.strip()]
+    by_name = {a.name: a for a in arms}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        parser.error(f"--segment-arms: unknown or unavailable arms {missing} (the calibrated and "
+                     "per-head arms need --filters; the per-head arm a file with windows)")
+    seg = SegmentSettings(budgets=tuple(settings.budgets), n_sink=settings.n_sink,
+                          calib_tokens=settings.calib_tokens, seed=settings.seed, backend=settings.backend,
+                          ppl_prefix=args.segment_prefix if not args.quick else settings.ppl_prefix,
+                          ppl_scored=args.segment_scored if not args.quick else settings.ppl_scored,
+                          segments=tuple(x.strip() for x in args.segments.split(",") if x.strip()))
+    set_total(seg.ppl_scored * len(seg.segments))
+    run_segments(model, tokenizer, text, seg, [by_name[n] for n in names], results, save=save,
+                 progress=progress)

@@ -40,6 +40,16 @@ def parse_sign(text: str) -> int | str:
     return value
 
 
+def recent_arg(text: str) -> int | str:
+    """``--recent``: an int, or ``calibrated`` (per-head windows from the filters file)."""
+    if text == "calibrated":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'calibrated', got {text!r}") from None
+
+
 def add_model_args(group) -> None:
     """``--model``, ``--adapter-path``, ``--trust-remote-code`` (as mlx_lm.generate)."""
     group.add_argument("--model", default=None,
@@ -105,8 +115,10 @@ def add_cache_args(group) -> None:
                             "is that method's budget")
     group.add_argument("--n-sink", type=int, default=None,
                        help=f"first positions never evicted (default {DEFAULT_N_SINK})")
-    group.add_argument("--recent", type=int, default=None,
-                       help=f"last positions never evicted. Default: budget * "
+    group.add_argument("--recent", type=recent_arg, default=None,
+                       help=f"last positions never evicted, or 'calibrated': the per-head windows "
+                            f"stored in the --filters file for this budget (`qfilters-mlx "
+                            f"calibrate`). Default: budget * "
                             f"{DEFAULT_RECENT_FRACTION:g} (at most budget - n_sink - 1), the "
                             f"library's default too, chosen from measurements (README, "
                             f"'Evaluation': on SmolLM2 recent budget/2 beat budget/4 and 0 for "

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
 
-__all__ = ["Arm", "RECENT_FRACTIONS", "default_arms", "expand", "query_arms", "retrieval_arms"]
+__all__ = ["Arm", "RECENT_FRACTIONS", "default_arms", "expand", "perhead_arm", "query_arms",
+           "retrieval_arms"]
 
 RECENT_FRACTIONS = (Fraction(0), Fraction(1, 4), Fraction(1, 2))
 """Recent windows of the default arms, as fractions of the budget."""
@@ -147,6 +148,24 @@ def query_arms(filters=None, recent: Fraction = Fraction(1, 2)) -> list[Arm]:
         arms.append(Arm(name=f"qfilters-calibrated@r{label}", method="qfilters", sign=1,
                         recent=recent, family="qfilters-calibrated", cache_factory=calibrated))
     return arms
+
+
+def perhead_arm(filters, windows: dict) -> Arm:
+    """The issue-17 arm: the offline calibrated filter with per-head recent windows
+    calibrated for each budget (``windows[budget]``: ``[n_layers, H_kv]`` from
+    :func:`qfilters_mlx.filters.windows.load_windows`). Budgets without windows are
+    skipped (its config is refused there)."""
+    def per_head(config, layer_idx, _f=filters, _w=windows):
+        from dataclasses import replace
+
+        from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+
+        cfg = replace(config, qfilters_recent=_w[config.qfilters_budget])
+        return QFiltersKVCache(cfg, layer_idx=layer_idx, filters=_f[layer_idx])
+
+    return Arm(name="qfilters-perhead", method="qfilters", sign=1, recent=Fraction(0),
+               family="qfilters-perhead", cache_factory=per_head,
+               extra=(("recent", "per head (calibrated)"), ("recent_fraction", None)))
 
 
 def retrieval_arms(arms: list[Arm], recent: Fraction = Fraction(1, 2)) -> list[Arm]:

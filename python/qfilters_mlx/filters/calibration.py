@@ -12,7 +12,9 @@ File format (safetensors): one tensor ``"filters"`` and string metadata
 identity fields of :mod:`qfilters_mlx.identity`), ``n_layers``,
 ``n_kv_heads``, ``head_dim``, ``sign_convention`` (``"score = +(k . f)"``),
 ``calibration_text``, ``calibration_tokens``, ``samples_per_head``,
-``qfilters_mlx_version``.
+``qfilters_mlx_version``; optionally per-head recent windows
+(:mod:`qfilters_mlx.filters.windows`: tensor ``recent_windows``, metadata
+``recent_budgets``, ``recent_n_sink``, ``recent_rule``, ``recent_summary``).
 """
 
 from __future__ import annotations
@@ -103,9 +105,11 @@ def calibrate_filters(model, token_chunks, samples: int = 4096, seed: int = 0) -
     return gather_heads(mx.stack(filters), model)  # a tensor-parallel rank: every rank's heads
 
 
-def save_filters(path: str, filters: mx.array, model, **info) -> None:
+def save_filters(path: str, filters: mx.array, model, windows=None, **info) -> None:
     """Write ``filters [n_layers, n_kv_heads, head_dim]`` with metadata (see module doc).
 
+    ``windows``: optional ``(arrays, metadata)`` of per-head recent windows
+    (:func:`qfilters_mlx.filters.windows.window_tensors`), stored alongside.
     ``info`` adds string metadata (e.g. ``calibration_text``, ``calibration_tokens``).
     On a tensor-parallel model ``filters`` are the whole model's (as
     :func:`calibrate_filters` returns them), every rank must call this (the identity
@@ -121,9 +125,14 @@ def save_filters(path: str, filters: mx.array, model, **info) -> None:
         "qfilters_mlx_version": __version__,
     }
     meta.update({k: str(v) for k, v in info.items()})
+    arrays = {"filters": filters.astype(mx.float32)}
+    if windows is not None:
+        extra, extra_meta = windows
+        arrays.update({k: mx.array(v) for k, v in extra.items()})
+        meta.update(extra_meta)
     if rank_of(model)[0] != 0:
         return
-    mx.save_safetensors(path, {"filters": filters.astype(mx.float32)}, meta)
+    mx.save_safetensors(path, arrays, meta)
 
 
 def load_filters(path: str, model=None) -> tuple[mx.array, dict]:
