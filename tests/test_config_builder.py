@@ -166,19 +166,31 @@ def test_budget_beyond_int32_and_bad_filters_rejected():
     assert c.empty() and c.offset == 0
 
 
-def test_batching_is_refused_with_a_clear_error_never_a_plain_cache():
-    """mlx-lm batches caches through `merge`; ours has none, so the server does not batch it
-    and BatchGenerator's merge path raises naming our class (CASES 3)."""
+def test_batching_merges_into_our_batch_cache_never_a_plain_cache():
+    """mlx-lm batches caches through `merge` (BatchGenerator's `_merge_caches`): ours become a
+    BatchQFiltersCache whose rows keep exactly their kept positions; caches of different
+    configurations are refused naming the field (CASES 3: never a plain cache)."""
     from mlx_lm.generate import _merge_caches
 
+    from qfilters_mlx.cache.batch import BatchQFiltersCache
+
     model = tiny_llama(head_dim=16)
-    a = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_recent=0, qfilters_filter_source="keys"))
-    b = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=16, qfilters_recent=0, qfilters_filter_source="keys"))
-    for caches in (a, b):
-        model(mx.array([list(range(50))]), cache=caches)
-    assert not hasattr(a[0], "merge")
-    with pytest.raises(ValueError, match="QFiltersKVCache"):
-        _merge_caches([a, b])
+    cfg = KVCacheConfig(qfilters_budget=16, qfilters_recent=0, qfilters_filter_source="keys")
+    a = KVCacheBuilder.for_model(model, cfg)
+    b = KVCacheBuilder.for_model(model, cfg)
+    for caches, n in ((a, 50), (b, 30)):
+        model(mx.array([list(range(n))]), cache=caches)
+    merged = _merge_caches([a, b])
+    assert all(type(c) is BatchQFiltersCache for c in merged)
+    for layer in range(len(a)):
+        for row, alone in enumerate((a, b)):
+            got = merged[layer].extract(row).kept_positions()
+            assert got.tolist() == alone[layer].kept_positions().tolist()
+    other = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=24, qfilters_recent=0,
+                                                          qfilters_filter_source="keys"))
+    model(mx.array([list(range(40))]), cache=other)
+    with pytest.raises(ValueError, match="budget"):
+        _merge_caches([a, other])
 
 
 def test_install_builds_fresh_caches_for_every_generation():
