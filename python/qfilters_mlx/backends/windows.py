@@ -27,7 +27,8 @@ def recent_windows(recent, n_heads: int, n_sink: int, limit: int, inclusive: boo
     """
     if hasattr(recent, "tolist"):
         recent = recent.tolist()
-    if isinstance(recent, (list, tuple)):
+    per_head = isinstance(recent, (list, tuple))
+    if per_head:
         values = list(recent)
         if len(values) != n_heads:
             raise ValueError(f"recent must be one int or one window per head ({n_heads}), "
@@ -35,11 +36,11 @@ def recent_windows(recent, n_heads: int, n_sink: int, limit: int, inclusive: boo
     else:
         values = [recent] * n_heads
     for h, v in enumerate(values):
+        where = f" (head {h})" if per_head and len(values) > 1 else ""
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"recent must be an int (head {h}), got {type(v).__name__}")
+            raise TypeError(f"recent must be an int{where}, got {type(v).__name__}")
         v = values[h] = int(v)
         total = n_sink + v
-        where = "" if len(values) == 1 else f" (head {h})"
         if v < 0 or n_sink < 0:
             raise ValueError(f"n_sink and recent must be >= 0, got {n_sink}, {v}{where}")
         if inclusive and total > limit:
