@@ -20,6 +20,14 @@ FILTER_SOURCES = ("keys", "queries")
 """Online filter estimators: key-SVD (sign from the config) or the paper's query-SVD."""
 
 
+KV_BITS = (2, 4, 8)
+"""``kv_bits`` values: the widths whose packed rows fill whole uint32 words (mlx-lm's
+``QuantizedKVCache`` allocates ``head_dim * bits / 32`` words per row)."""
+KV_GROUP_SIZES = (32, 64, 128)
+"""``kv_group_size`` values ``mx.quantize`` supports."""
+DEFAULT_KV_GROUP_SIZE = 64
+"""mlx-lm's ``--kv-group-size`` default."""
+
 INT32_MAX = 2**31 - 1
 """Largest budget/sink/window the kernels index with int32."""
 
@@ -64,6 +72,35 @@ def default_recent(budget: int, n_sink: int) -> int:
     ``KVCacheConfig(qfilters_recent=None)`` (the default) and ``qfilters-mlx generate`` without
     ``--recent`` both use it."""
     return max(0, min(int(budget * DEFAULT_RECENT_FRACTION), budget - n_sink - 1))
+
+
+def check_kv_quantization(config) -> None:
+    """Checks of ``kv_bits`` / ``kv_group_size`` (see :class:`KVCacheConfig`).
+
+    Raises:
+        TypeError: a field that must be an int is not one.
+        ValueError: ``kv_bits`` not in :data:`KV_BITS`, ``kv_group_size`` not in
+            :data:`KV_GROUP_SIZES`, ``head_dim`` not a multiple of ``kv_group_size``, or
+            ``kv_bits`` with ``qfilters_max_rewind > 0`` (rewinds replay stored rows at full
+            precision, which a quantized cache no longer has).
+    """
+    if config.kv_bits is not None:
+        _check_int("kv_bits", config.kv_bits, 1)
+        if config.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be None or one of {KV_BITS}, got {config.kv_bits}")
+    _check_int("kv_group_size", config.kv_group_size, 1)
+    if config.kv_group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES} (mx.quantize), "
+                         f"got {config.kv_group_size}")
+    if config.kv_bits is None:
+        return
+    if config.head_dim is not None and config.head_dim % config.kv_group_size:
+        raise ValueError(f"head_dim ({config.head_dim}) must be a multiple of kv_group_size "
+                         f"({config.kv_group_size}) with kv_bits={config.kv_bits}")
+    if config.qfilters_max_rewind > 0:
+        raise ValueError(f"kv_bits={config.kv_bits} needs qfilters_max_rewind=0, got "
+                         f"{config.qfilters_max_rewind}: a quantized cache cannot rewind after an "
+                         "eviction (speculative decoding with kv_bits is not supported)")
 
 
 def _check_int(name: str, value, minimum: int, maximum: int = INT32_MAX) -> None:
@@ -134,6 +171,12 @@ class KVCacheConfig:
             decode-step cost (``bench/results/rewind.md``: 1.4 -> 3.3 ms per step over
             30 layers at budget 256); set it to at least ``num_draft_tokens`` for
             speculative decoding (``qfilters-mlx generate --draft-model`` does).
+        kv_bits: ``None`` (default: K/V stored in the model's dtype) or 2, 4, 8: the kept
+            K/V are stored quantized as mlx-lm's ``QuantizedKVCache`` stores them
+            (``mx.quantize`` along the head dimension; see ``qfilters_mlx.cache.quantized``);
+            scores still come from the full-precision keys. Needs ``qfilters_max_rewind=0``.
+        kv_group_size: quantization group size along the head dimension (32, 64 or 128;
+            default 64, as mlx-lm's ``--kv-group-size``); ``head_dim`` must be a multiple.
 
     Raises:
         ValueError: budget < 1 or None, n_sink < 0, recent < 0, max_rewind < 0,
@@ -155,6 +198,8 @@ class KVCacheConfig:
     qfilters_filter_source: str = DEFAULT_FILTER_SOURCE
     qfilters_max_rewind: int = 0
     qfilters_filters: object = field(default=None, compare=False, repr=False)
+    kv_bits: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -207,6 +252,7 @@ class KVCacheConfig:
             raise ValueError(
                 f"qfilters_backend must be one of {BACKENDS}, got {self.qfilters_backend!r}"
             )
+        check_kv_quantization(self)
 
     @property
     def needs_queries(self) -> bool:

@@ -20,7 +20,7 @@ a fixed set of keys; selection is a pure function of scores and tokens fed).
 Single-token calls after an eviction run in *slot mode* (:mod:`.slots`);
 ``trim`` rewinds exactly within ``qfilters_max_rewind`` tokens (:mod:`.rewind`,
 :mod:`.journal`); ``state``, copies and ``to_quantized`` in :mod:`.persistence`; bytes in :mod:`.accounting`;
-input checks in :mod:`.validation`.
+input checks in :mod:`.validation`; quantized storage (``kv_bits``) in :mod:`.quantized`.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.accounting import FILTER_BYTES_PER_ELEMENT, ByteAccountingMixin
 from qfilters_mlx.cache.journal import CallRecord, RewindJournal, dropped_rows
 from qfilters_mlx.cache.persistence import PersistenceMixin
+from qfilters_mlx.cache.quantized import QuantizedStorageMixin
 from qfilters_mlx.cache.rewind import RewindMixin
 from qfilters_mlx.cache.scorers import insertion_scores
 from qfilters_mlx.cache.slots import SlotModeMixin
 from qfilters_mlx.cache.validation import ValidationMixin
 from qfilters_mlx.config import KVCacheConfig
 
-__all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache"]
+__all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache", "QuantizedQFiltersKVCache"]
 
 
 class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
@@ -63,6 +64,13 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
     """
 
     step = 256
+
+    def __new__(cls, config=None, *args, **kwargs):
+        """``QFiltersKVCache(config)`` with ``config.kv_bits`` set builds a
+        :class:`QuantizedQFiltersKVCache` (quantized storage, :mod:`.quantized`)."""
+        if cls is QFiltersKVCache and getattr(config, "kv_bits", None) is not None:
+            cls = QuantizedQFiltersKVCache
+        return super().__new__(cls)
 
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | None = None):
         if not isinstance(config, KVCacheConfig):
@@ -129,13 +137,15 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         n = self._n
         pos = (mx.array(self.offset, dtype=mx.int64) + mx.arange(L, dtype=mx.int64))[None, None, :]
         pos = mx.broadcast_to(pos, (B, H, L))
+        new_scores = self._score(keys, pos) if self.scoring_ready else None  # full-precision keys
+        keys, values = self._store_rows(keys, values)
         if self.evicted and n + L > self.keys.shape[2]:
             # Steady state after eviction: exactly the rows needed, one copy of
             # the kept rows (the next eviction gathers them again anyway).
             cat = lambda buf, new: mx.concatenate([buf[:, :, :n], new], axis=2)  # noqa: E731
             self.keys, self.values = cat(self.keys, keys), cat(self.values, values)
             self.positions = cat(self.positions, pos)
-            self.scores = cat(self.scores, self._score(keys, pos))
+            self.scores = cat(self.scores, new_scores)
             self._n = n + L
             return
         if self.keys is None or n + L > self.keys.shape[2]:
@@ -154,9 +164,13 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         self.keys[:, :, n : n + L] = keys
         self.values[:, :, n : n + L] = values
         self.positions[:, :, n : n + L] = pos
-        if self.scoring_ready:
-            self.scores[:, :, n : n + L] = self._score(keys, pos)
+        if new_scores is not None:
+            self.scores[:, :, n : n + L] = new_scores
         self._n = n + L
+
+    def _store_rows(self, keys, values):
+        """The rows as stored (as given here; :mod:`.quantized` packs them)."""
+        return keys, values
 
     def _score(self, keys, positions):
         c = self.config
@@ -261,11 +275,11 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
         if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
             raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
         self._note_observed(queries)
-        B, H = self.keys.shape[:2]
-        if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != self.keys.shape[3]
+        B, H, D = self._input_layout()[:3]
+        if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != D
                 or queries.shape[2] > self.offset):
             raise ValueError(f"queries {tuple(queries.shape)} do not fit the cache "
-                             f"(B={B}, H_kv={H}, D={self.keys.shape[3]}, offset={self.offset})")
+                             f"(B={B}, H_kv={H}, D={D}, offset={self.offset})")
         c = self.config.qfilters_calib_tokens
         have = 0 if self._queries is None else self._queries.shape[2]
         need = min(c, self.offset) - have
@@ -285,6 +299,12 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
     def empty(self) -> bool:
         return self.keys is None
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """This cache with its K/V stored quantized (mlx-lm's ``maybe_quantize_kv_cache``
+        calls it for ``kv_bits`` / ``--kv-bits``): a :class:`QuantizedQFiltersKVCache`
+        that continues exactly (see :meth:`QuantizedStorageMixin.from_cache`)."""
+        return QuantizedQFiltersKVCache.from_cache(self, group_size=group_size, bits=bits)
+
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
         self._to_temporal()
@@ -294,3 +314,10 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module:
 # make ours resolvable there (adds a name; changes nothing else in mlx-lm).
 mlx_cache.QFiltersKVCache = QFiltersKVCache
+
+
+class QuantizedQFiltersKVCache(QuantizedStorageMixin, QFiltersKVCache):
+    """``QFiltersKVCache`` storing the kept K/V quantized (``config.kv_bits``; :mod:`.quantized`)."""
+
+
+mlx_cache.QuantizedQFiltersKVCache = QuantizedQFiltersKVCache
