@@ -88,7 +88,7 @@ class PersistenceMixin:
         if slots is not None and (keys is None or order.shape != keys.shape[:3]
                                   or free.shape != keys.shape[:2]):
             raise ValueError("state: meta 'slots' does not match the rows")
-        if (config.kv_bits is not None) != hasattr(self, "bits"):
+        if (config.kv_bits is not None) != hasattr(type(self), "bits"):
             raise ValueError(f"state: kv_bits={config.kv_bits} was saved by another cache class than "
                              f"{type(self).__name__} (QuantizedQFiltersKVCache stores kv_bits caches)")
         backend = get_backend(config.qfilters_backend)
