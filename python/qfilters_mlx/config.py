@@ -94,13 +94,13 @@ def check_kv_quantization(config) -> None:
                          f"got {config.kv_group_size}")
     if config.kv_bits is None:
         return
-    if config.head_dim is not None and config.head_dim % config.kv_group_size:
-        raise ValueError(f"head_dim ({config.head_dim}) must be a multiple of kv_group_size "
-                         f"({config.kv_group_size}) with kv_bits={config.kv_bits}")
     if config.qfilters_max_rewind > 0:
         raise ValueError(f"kv_bits={config.kv_bits} needs qfilters_max_rewind=0, got "
                          f"{config.qfilters_max_rewind}: a quantized cache cannot rewind after an "
                          "eviction (speculative decoding with kv_bits is not supported)")
+    if config.head_dim is not None and config.head_dim % config.kv_group_size:
+        raise ValueError(f"head_dim ({config.head_dim}) must be a multiple of kv_group_size "
+                         f"({config.kv_group_size}) with kv_bits={config.kv_bits}")
 
 
 def _check_int(name: str, value, minimum: int, maximum: int = INT32_MAX) -> None:

@@ -3,7 +3,7 @@
 Flags mirror ``mlx_lm.generate`` (0.32) where they fit (``--adapter-path``,
 ``--trust-remote-code``, ``--draft-model``, ``--chat-template-config``,
 ``--use-default-chat-template``, ``--prompt-cache-file``, ``--max-kv-size`` as the
-budget); mlx-lm's quantized-cache flags are refused. ``--compare`` runs the same
+budget); mlx-lm's quantized-cache flags (``--kv-bits``) are passed to its generation. ``--compare`` runs the same
 prompt through several caches and prints one table
 (:mod:`qfilters_mlx.commands.compare`). For the shipped prompt the summary says
 whether the answer contains its pass key.
@@ -139,6 +139,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     else:
         cache_options.warn_ignored(parser, args)
         config = cache_options.config_from_args(parser, args)
+        options.check_quantized_kv_start(parser, args, config)
     text, shipped = generation.read_prompt(parser, args)
     loaded = None
     if args.prompt_cache_file is not None:
