@@ -264,3 +264,25 @@ def test_runtime_errors_are_clear_and_change_nothing():
         plain.state = c.state[:7]
     with pytest.raises(ValueError, match="for a QuantizedQFiltersKVCache"):
         c.state = plain.state
+
+
+# ------------------------------------------------------- evaluation batches
+def test_quantized_arms_batch_like_each_alone():
+    """QuantizedMultiArmCache: quantized arms of different budgets in one batch give the NLLs
+    each gives alone (padding masked); mixing quantized and plain arms is refused."""
+    from qfilters_mlx.evaluation.multi_arm import QuantizedMultiArmCache, batch_caches
+    from qfilters_mlx.evaluation.perplexity import batched_streaming_nll
+
+    def row(budget, bits=8):
+        return KVCacheBuilder.for_model(MODEL, config(qfilters_budget=budget, qfilters_recent=4, kv_bits=bits))
+
+    rows = [row(20), row(32)]
+    assert all(type(c) is QuantizedMultiArmCache and c.bits == 8 for c in batch_caches(rows))
+    batched = batched_streaming_nll(MODEL, PROMPT, rows, prefix=8)
+    for budget, got in zip((20, 32), batched):
+        alone = batched_streaming_nll(MODEL, PROMPT, [row(budget)], prefix=8)[0]
+        np.testing.assert_allclose(got, alone, atol=2e-3, rtol=2e-3)  # float16 model, batched matmuls
+    with pytest.raises(ValueError, match="cannot share a batch"):
+        batch_caches([row(20), KVCacheBuilder.for_model(MODEL, config())])
+    with pytest.raises(ValueError, match="one kv_bits/kv_group_size"):
+        batch_caches([row(20), row(20, bits=4)])
