@@ -51,7 +51,8 @@ class ByteAccountingMixin:
 
     @property
     def full_seq_bytes(self) -> int:
-        """K/V bytes a full cache would hold for ``tokens_seen`` tokens."""
+        """K/V bytes a full cache would hold for ``tokens_seen`` tokens, stored as this cache
+        stores rows (with ``kv_bits``: a full ``QuantizedKVCache`` of the same bits)."""
         return self._kv_bytes(self.offset)
 
     @property

@@ -208,6 +208,10 @@ def _summary_lines(model, model_path, config, result, shipped, blas_library, arg
         ("Cache config", f"{cache_options.describe_config(config)} backend={config.qfilters_backend} "
                          f"({','.join(backends) or 'none'})"),
     ]
+    if getattr(args, "kv_bits", None) is not None:
+        n = sum(hasattr(c, "bits") for c in result.caches)
+        lines.append(("KV storage", f"{args.kv_bits}-bit, group size {args.kv_group_size}, from token "
+                                    f"{args.quantized_kv_start}: {n} of {len(result.caches)} caches quantized"))
     if args.prompt_cache_file:
         lines.append(("Prompt cache file", args.prompt_cache_file))
     if args.draft_model:
