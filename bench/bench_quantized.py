@@ -14,7 +14,8 @@ normal rows of the model's shapes, not the model's own prefill (the decode cost 
 bytes depend on shapes and budget, not on values; a real 8k prefill of every arm would
 take most of an hour on this shared machine). Decode: the real model, one token per
 call (``mx.eval`` per step), ``--rounds`` rounds of ``--steps`` steps interleaved over the
-arms (load drifts hit every arm alike); tokens/s from the median round. KV bytes: what the caches hold (``nbytes``: buffers, plus scores,
+arms (load drifts hit every arm alike); tokens/s from the median round. KV bytes: what the
+caches hold (``nbytes``: buffers, plus scores,
 positions and filter for ours; quantized: packed words + scales + biases).
 
 Usage: ``PYTHONPATH=python python bench/bench_quantized.py [--prompts 4096,8192] [--budget 512]``
@@ -123,7 +124,8 @@ def markdown(data: dict) -> str:
     m = data["meta"]
     lines = ["# Decode speed and KV bytes: eviction + quantized storage", "",
              f"SmolLM2-135M-Instruct float32, budget {m['budget']} (ours); per arm the median over "
-             f"{m['rounds']} interleaved rounds of {m['steps']} decode steps (after {m['warmup']}); caches filled with seeded random K/V in 2,048-token calls "
+             f"{m['rounds']} interleaved rounds of {m['steps']} decode steps (after {m['warmup']}); "
+             "caches filled with seeded random K/V in 2,048-token calls "
              f"(bench/bench_quantized.py). Machine: {m['machine']}, load at start {m['loadavg_start']} "
              "(shared: speeds are noisy).", ""]
     header = ["prompt", "arm", "kept tokens", "decode tok/s", "ms/token", "KV bytes (MiB)", "vs full"]

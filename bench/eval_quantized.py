@@ -1,8 +1,9 @@
 """Eviction and quantized storage together (issue 19): streaming perplexity and KV bytes.
 
 The protocol of ``qfilters-mlx eval`` (README "Evaluation"): SmolLM2-135M-Instruct float32,
-the first ``128 + 2048`` tokens of CPython's reference documentation, a 128-token prefix
-prefilled, then every token predicted token by token through the evicted cache. Arms: the
+the first ``prefix + scored`` tokens of CPython's reference documentation (default 128 +
+2,048; the committed run: 1,024 + 512, to fit the shared machine), the prefix prefilled in
+one call, then every token predicted token by token through the evicted cache. Arms: the
 best Q-Filters arm of that evaluation (the offline calibrated query filter,
 ``bench/results/smollm2_filters.safetensors``, recent budget/2) and StreamingLLM (4 sinks),
 at budgets 128/256/512, each with ``kv_bits`` None / 8 / 4 (group size 64); references: the
@@ -132,7 +133,11 @@ def markdown(res: dict) -> str:
     full = cells.get("full@kvnone", {}).get("ppl")
     lines = ["# Eviction + quantized K/V storage (SmolLM2-135M-Instruct, float32)", "",
              f"Streaming perplexity over {res['settings']['scored']} tokens after a "
-             f"{res['settings']['prefix']}-token prefix (protocol of `qfilters-mlx eval`); group size 64. "
+             f"{res['settings']['prefix']}-token prefix prefilled in one call (`qfilters-mlx eval`'s protocol, "
+             "README \"Evaluation\", which scores 2,048 tokens after 128, shortened to fit a shared "
+             "2-core machine: every scored token is predicted from an evicted cache at every budget); "
+             "token by token through the cache, the first tokens of CPython's reference documentation; "
+             "arms of one kv_bits in one batch; group size 64. "
              "KV bytes: kept K/V as stored, all 30 layers (quantized: packed + scales + biases; the "
              "float32 scores and filter of the Q-Filters arm are extra). In brackets: gap to the "
              "unquantized full cache.", ""]

@@ -274,7 +274,8 @@ def test_quantized_arms_batch_like_each_alone():
     from qfilters_mlx.evaluation.perplexity import batched_streaming_nll
 
     def row(budget, bits=8):
-        return KVCacheBuilder.for_model(MODEL, config(qfilters_budget=budget, qfilters_recent=4, kv_bits=bits))
+        cfg = config(qfilters_budget=budget, qfilters_recent=4, kv_bits=bits)
+        return KVCacheBuilder.for_model(MODEL, cfg)
 
     rows = [row(20), row(32)]
     assert all(type(c) is QuantizedMultiArmCache and c.bits == 8 for c in batch_caches(rows))
