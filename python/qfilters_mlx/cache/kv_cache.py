@@ -226,7 +226,8 @@ class QFiltersKVCache(ValidationMixin, SlotModeMixin, RewindMixin, PersistenceMi
 
         Returns:
             ``(keys, values)``: ``[B, H_kv, S + L, D]`` where ``S = size()`` before
-            the call; the last ``L`` rows are this call's tokens.
+            the call; the last ``L`` rows are this call's tokens. With ``kv_bits``
+            (``QuantizedQFiltersKVCache``): ``(packed, scales, biases)`` for each (:mod:`.quantized`).
 
         Raises:
             TypeError, ValueError: bad rank, dtype, shape change, ``L == 0``;
