@@ -461,12 +461,45 @@ def test_missing_filters_file_is_a_clear_error(capsys, tmp_path):
 
 
 # -------------------------------------------- mlx-lm's flags (issues 12 and 13)
-@pytest.mark.parametrize("flag", ["--kv-bits", "--kv-group-size", "--quantized-kv-start"])
+def test_quantized_kv_flags_as_mlx_lm_spells_them():
+    """--kv-bits & co. reach mlx-lm's generation (which calls to_quantized), with its defaults."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+    from qfilters_mlx.commands import generation, options
+
+    parser = cli.build_parser()
+    a = parse("--kv-bits", "4")
+    options.check_quantized_kv_args(parser, a)
+    assert generation.kv_quantization(a) == dict(kv_bits=4, kv_group_size=64,
+                                                 quantized_kv_start=DEFAULT_QUANTIZED_KV_START)
+    a = parse("--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "300")
+    options.check_quantized_kv_args(parser, a)
+    assert generation.kv_quantization(a) == dict(kv_bits=8, kv_group_size=32, quantized_kv_start=300)
+    a = parse()
+    options.check_quantized_kv_args(parser, a)
+    assert generation.kv_quantization(a) == {}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-bits", "3"], "--kv-bits must be one of 2, 4, 8, got 3"),
+    (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64, 128, got 48"),
+    (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be >= 0, got -1"),
+    (["--kv-bits", "4", "--draft-model", "x"], "--kv-bits with --draft-model"),
+    (["--kv-bits", "4", "--quantized-kv-start", "100"], "--quantized-kv-start 100 is below --calib-tokens 128"),
+])
+def test_quantized_kv_flag_errors(capsys, args, message):
+    assert message in run_error(capsys, "generate", *args, "--prompt", "hi")
+
+
 @pytest.mark.parametrize("command", ["generate", "cache-prompt"])
-def test_quantized_kv_flags_are_refused(capsys, flag, command):
+def test_quantized_kv_flags_without_kv_bits_warn(capsys, monkeypatch, command):
+    from qfilters_mlx.commands import options
+
+    parser = cli.build_parser()
     extra = ["--prompt-cache-file", "x.safetensors"] if command == "cache-prompt" else []
-    err = run_error(capsys, command, flag, "4", "--prompt", "hi", *extra)
-    assert f"{flag}: quantized KV storage is not supported by the eviction caches yet" in err
+    a = parser.parse_args([command, "--kv-group-size", "32", "--prompt", "hi", *extra])
+    options.check_quantized_kv_args(parser, a)
+    assert "--kv-group-size does nothing without --kv-bits" in capsys.readouterr().err
 
 
 def test_max_kv_size_is_the_budget(capsys):

@@ -153,10 +153,11 @@ def test_load_prompt_cache_after_plain_import_without_importing_mlx(tmp_path):
 
 
 # ------------------------------------------------------------------- kv_bits
-def test_kv_bits_is_refused_clearly():
+def test_kv_bits_with_rewind_is_refused_clearly():
+    """kv_bits works (tests/test_quantized.py) but not with a rewind journal (max_rewind 16)."""
     caches = KVCacheBuilder.for_model(MODEL, CFG)
     prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8], mx.uint32)
-    with pytest.raises(ValueError, match="kv_bits=4.*not supported by QFiltersKVCache"):
+    with pytest.raises(ValueError, match="kv_bits=4 needs qfilters_max_rewind=0"):
         list(generate_step(prompt, MODEL, max_tokens=3, prompt_cache=caches, kv_bits=4,
                            quantized_kv_start=0))
 

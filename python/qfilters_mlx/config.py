@@ -12,6 +12,17 @@ import os
 from dataclasses import dataclass, field, replace
 
 from qfilters_mlx.backends.dispatch import BACKENDS
+from qfilters_mlx.config_checks import (  # noqa: F401  (constants re-exported)
+    COMPRESS_AT,
+    DEFAULT_KV_GROUP_SIZE,
+    INT32_MAX,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    MODES,
+    check_compression,
+    check_int,
+    check_kv_quantization,
+)
 from qfilters_mlx.recent_config import layer_recent, resolve_recent
 
 METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
@@ -19,18 +30,6 @@ METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
 
 FILTER_SOURCES = ("keys", "queries")
 """Online filter estimators: key-SVD (sign from the config) or the paper's query-SVD."""
-
-MODES = ("streaming", "compress_once")
-"""How the cache holds its budget: evict at every call, or compress once then grow
-(see :mod:`qfilters_mlx.cache.compression`)."""
-
-COMPRESS_AT = ("prompt_end", "manual")
-"""When a ``compress_once`` cache compresses: at the end of a chunked prefill, or only
-when :func:`qfilters_mlx.compress_caches` is called."""
-
-
-INT32_MAX = 2**31 - 1
-"""Largest budget/sink/window the kernels index with int32."""
 
 # The defaults of the library and of ``qfilters-mlx generate`` (one set; measured in README,
 # "Evaluation (SmolLM2-135M-Instruct)", from ``qfilters-mlx eval``: bench/results/eval_smollm2.md).
@@ -73,17 +72,6 @@ def default_recent(budget: int, n_sink: int) -> int:
     ``KVCacheConfig(qfilters_recent=None)`` (the default) and ``qfilters-mlx generate`` without
     ``--recent`` both use it."""
     return max(0, min(int(budget * DEFAULT_RECENT_FRACTION), budget - n_sink - 1))
-
-
-def _check_int(name: str, value, minimum: int, maximum: int = INT32_MAX) -> None:
-    if value is None:
-        raise ValueError(f"{name} must be an int >= {minimum}, got None")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value > maximum:
-        raise ValueError(f"{name} must be <= {maximum} (int32 kernels), got {value}")
 
 
 @dataclass(frozen=True)
@@ -166,6 +154,12 @@ class KVCacheConfig:
     In compress-once mode ``qfilters_recent=None`` resolves to 0 (kvpress has no window;
     the question comes after the compression) and ``n_sink + recent`` may exceed the
     kept count of a short context (the sinks, then the window, are cut to it).
+        kv_bits: ``None`` (default: K/V stored in the model's dtype) or 2, 4, 8: the kept
+            K/V are stored quantized as mlx-lm's ``QuantizedKVCache`` stores them
+            (``mx.quantize`` along the head dimension; see ``qfilters_mlx.cache.quantized``);
+            scores still come from the full-precision keys. Needs ``qfilters_max_rewind=0``.
+        kv_group_size: quantization group size along the head dimension (32, 64 or 128;
+            default 64, as mlx-lm's ``--kv-group-size``); ``head_dim`` must be a multiple.
 
     Raises:
         ValueError: budget < 1 or None, n_sink < 0, recent < 0, max_rewind < 0,
@@ -194,14 +188,16 @@ class KVCacheConfig:
     qfilters_compression_ratio: float | None = None
     qfilters_growth: int | None = None
     qfilters_compress_at: str = "prompt_end"
+    kv_bits: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.head_dim is not None:
-            _check_int("head_dim", self.head_dim, 1)
-        _check_int("qfilters_budget", self.qfilters_budget, 1)
-        _check_int("qfilters_n_sink", self.qfilters_n_sink, 0)
+            check_int("head_dim", self.head_dim, 1)
+        check_int("qfilters_budget", self.qfilters_budget, 1)
+        check_int("qfilters_n_sink", self.qfilters_n_sink, 0)
         if self.qfilters_recent is None:  # (compress_once: none, as kvpress; the question is outside)
             object.__setattr__(self, "qfilters_recent", 0 if self.qfilters_mode == "compress_once"
                                else default_recent(self.qfilters_budget, self.qfilters_n_sink))
@@ -209,21 +205,21 @@ class KVCacheConfig:
             self.qfilters_recent, self.qfilters_budget, self.qfilters_n_sink, self.method,
             self.qfilters_filters))
         if isinstance(self.qfilters_recent, int):
-            _check_int("qfilters_recent", self.qfilters_recent, 0)
+            check_int("qfilters_recent", self.qfilters_recent, 0)
         elif self.qfilters_mode == "compress_once":
             raise ValueError("qfilters_recent: per-head recent windows are for the streaming mode; "
                              "qfilters_mode='compress_once' takes one int window")
         if self.qfilters_sign is None:
             object.__setattr__(self, "qfilters_sign", default_sign(self.qfilters_filter_source))
-        _check_int("qfilters_calib_tokens", self.qfilters_calib_tokens, 1)
-        _check_int("qfilters_seed", self.qfilters_seed, 0, 2**63 - 1)
-        _check_int("qfilters_max_rewind", self.qfilters_max_rewind, 0)
+        check_int("qfilters_calib_tokens", self.qfilters_calib_tokens, 1)
+        check_int("qfilters_seed", self.qfilters_seed, 0, 2**63 - 1)
+        check_int("qfilters_max_rewind", self.qfilters_max_rewind, 0)
         if self.qfilters_n_sink >= self.qfilters_budget:
             raise ValueError(
                 f"qfilters_n_sink ({self.qfilters_n_sink}) must be smaller than "
                 f"qfilters_budget ({self.qfilters_budget})"
             )
-        _check_compression(self)
+        check_compression(self)
         if self.method != "streaming_llm" and self.qfilters_compression_ratio is None and isinstance(
             self.qfilters_recent, int) and (
             self.qfilters_n_sink + self.qfilters_recent >= self.qfilters_budget
@@ -255,6 +251,7 @@ class KVCacheConfig:
             raise ValueError(
                 f"qfilters_backend must be one of {BACKENDS}, got {self.qfilters_backend!r}"
             )
+        check_kv_quantization(self)
 
     @property
     def needs_queries(self) -> bool:
@@ -287,29 +284,3 @@ class KVCacheConfig:
     def with_head_dim(self, head_dim: int) -> "KVCacheConfig":
         """A copy with ``head_dim`` set (validated)."""
         return replace(self, head_dim=head_dim)
-
-
-def _check_compression(c: KVCacheConfig) -> None:
-    """Validate the compress-once fields (ValueError/TypeError naming the field)."""
-    if c.qfilters_mode not in MODES:
-        raise ValueError(f"qfilters_mode must be one of {MODES}, got {c.qfilters_mode!r}")
-    if c.qfilters_compress_at not in COMPRESS_AT:
-        raise ValueError(f"qfilters_compress_at must be one of {COMPRESS_AT}, "
-                         f"got {c.qfilters_compress_at!r}")
-    r = c.qfilters_compression_ratio
-    if r is not None:
-        if isinstance(r, bool) or not isinstance(r, (int, float)):
-            raise TypeError(f"qfilters_compression_ratio must be a float, got {type(r).__name__} ({r!r})")
-        if not 0.0 <= r < 1.0:
-            raise ValueError("qfilters_compression_ratio (the fraction of tokens removed, as kvpress "
-                             f"names it) must be in [0, 1), got {r!r}")
-    if c.qfilters_growth is not None:
-        _check_int("qfilters_growth", c.qfilters_growth, 0)
-    if c.qfilters_mode == "streaming":
-        for name in ("qfilters_compression_ratio", "qfilters_growth"):
-            if getattr(c, name) is not None:
-                raise ValueError(f"{name} is only used with qfilters_mode='compress_once' "
-                                 f"(got qfilters_mode='streaming')")
-    elif c.method == "full":
-        raise ValueError("qfilters_mode='compress_once' needs an eviction method; method='full' "
-                         "keeps every token")

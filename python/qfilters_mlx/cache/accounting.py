@@ -44,8 +44,15 @@ class ByteAccountingMixin:
         return B * H * tokens * (Dk * self.keys.dtype.size + Dv * self.values.dtype.size)
 
     @property
+    def kept_kv_bytes(self) -> int:
+        """Bytes of the kept K/V rows alone (``size()`` rows as stored: packed words, scales
+        and biases when quantized), without buffer slack, scores or filter."""
+        return self._kv_bytes(self._n)
+
+    @property
     def full_seq_bytes(self) -> int:
-        """K/V bytes a full cache would hold for ``tokens_seen`` tokens."""
+        """K/V bytes a full cache would hold for ``tokens_seen`` tokens, stored as this cache
+        stores rows (with ``kv_bits``: a full ``QuantizedKVCache`` of the same bits)."""
         return self._kv_bytes(self.offset)
 
     @property

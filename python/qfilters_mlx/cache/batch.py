@@ -245,7 +245,15 @@ class BatchQFiltersCache(_BaseCache):
         return done[0] if done else 0
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        return self.caches[0].to_quantized(group_size, bits)  # raises, naming the cause
+        """Refused: quantized storage (``kv_bits``) is per-sequence only for now (a batch
+        pads its rows' K/V into one array; quantized rows are packed tuples).
+
+        Raises:
+            ValueError: always, naming ``kv_bits``, before any state changes.
+        """
+        raise ValueError(f"kv_bits={bits} (quantized KV storage) is not supported for batched "
+                         "generation (BatchQFiltersCache): run the batch without kv_bits, or "
+                         "generate per sequence with kv_bits")
 
     @property
     def state(self):

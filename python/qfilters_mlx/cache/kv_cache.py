@@ -21,7 +21,8 @@ Single-token calls after an eviction run in *slot mode* (:mod:`.slots`);
 ``trim`` rewinds exactly within ``qfilters_max_rewind`` tokens (:mod:`.rewind`,
 :mod:`.journal`); ``state``, copies and ``to_quantized`` in :mod:`.persistence`; bytes in :mod:`.accounting`;
 input checks in :mod:`.validation`; compress-once mode (``qfilters_mode``: keep every
-token until one compression, then append) in :mod:`.compression`.
+token until one compression, then append) in :mod:`.compression`; quantized storage
+(``kv_bits``) in :mod:`.quantized`.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ from qfilters_mlx.cache.accounting import FILTER_BYTES_PER_ELEMENT, ByteAccounti
 from qfilters_mlx.cache.compression import CompressionMixin
 from qfilters_mlx.cache.journal import CallRecord, RewindJournal, dropped_rows
 from qfilters_mlx.cache.persistence import PersistenceMixin
+from qfilters_mlx.cache.quantized import QuantizedStorageMixin
 from qfilters_mlx.cache.rewind import RewindMixin
 from qfilters_mlx.cache.scorers import insertion_scores
 from qfilters_mlx.cache.slots import SlotModeMixin
 from qfilters_mlx.cache.validation import ValidationMixin
 from qfilters_mlx.config import KVCacheConfig
 
-__all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache"]
+__all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache", "QuantizedQFiltersKVCache"]
 
 
 class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
@@ -65,6 +67,13 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
     """
 
     step = 256
+
+    def __new__(cls, config=None, *args, **kwargs):
+        """``QFiltersKVCache(config)`` with ``config.kv_bits`` set builds a
+        :class:`QuantizedQFiltersKVCache` (quantized storage, :mod:`.quantized`)."""
+        if cls is QFiltersKVCache and getattr(config, "kv_bits", None) is not None:
+            cls = QuantizedQFiltersKVCache
+        return super().__new__(cls)
 
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | None = None):
         if not isinstance(config, KVCacheConfig):
@@ -138,13 +147,15 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         n = self._n
         pos = (mx.array(self.offset, dtype=mx.int64) + mx.arange(L, dtype=mx.int64))[None, None, :]
         pos = mx.broadcast_to(pos, (B, H, L))
+        new_scores = self._score(keys, pos) if self.scoring_ready else None  # full-precision keys
+        keys, values = self._store_rows(keys, values)
         if self.evicted and n + L > self.keys.shape[2] and not self._growing():
             # Steady state after eviction: exactly the rows needed, one copy of
             # the kept rows (the next eviction gathers them again anyway).
             cat = lambda buf, new: mx.concatenate([buf[:, :, :n], new], axis=2)  # noqa: E731
             self.keys, self.values = cat(self.keys, keys), cat(self.values, values)
             self.positions = cat(self.positions, pos)
-            self.scores = cat(self.scores, self._score(keys, pos))
+            self.scores = cat(self.scores, new_scores)
             self._n = n + L
             return
         if self.keys is None or n + L > self.keys.shape[2]:
@@ -163,9 +174,13 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         self.keys[:, :, n : n + L] = keys
         self.values[:, :, n : n + L] = values
         self.positions[:, :, n : n + L] = pos
-        if self.scoring_ready:
-            self.scores[:, :, n : n + L] = self._score(keys, pos)
+        if new_scores is not None:
+            self.scores[:, :, n : n + L] = new_scores
         self._n = n + L
+
+    def _store_rows(self, keys, values):
+        """The rows as stored (as given here; :mod:`.quantized` packs them)."""
+        return keys, values
 
     def _score(self, keys, positions):
         c = self.config
@@ -219,7 +234,8 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 
         Returns:
             ``(keys, values)``: ``[B, H_kv, S + L, D]`` where ``S = size()`` before
-            the call; the last ``L`` rows are this call's tokens.
+            the call; the last ``L`` rows are this call's tokens. With ``kv_bits``
+            (``QuantizedQFiltersKVCache``): ``(packed, scales, biases)`` for each (:mod:`.quantized`).
 
         Raises:
             TypeError, ValueError: bad rank, dtype, shape change, ``L == 0``;
@@ -269,11 +285,11 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
             raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
         self._note_observed(queries)
-        B, H = self.keys.shape[:2]
-        if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != self.keys.shape[3]
+        B, H, D = self._input_layout()[:3]
+        if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != D
                 or queries.shape[2] > self.offset):
             raise ValueError(f"queries {tuple(queries.shape)} do not fit the cache "
-                             f"(B={B}, H_kv={H}, D={self.keys.shape[3]}, offset={self.offset})")
+                             f"(B={B}, H_kv={H}, D={D}, offset={self.offset})")
         c = self.config.qfilters_calib_tokens
         have = 0 if self._queries is None else self._queries.shape[2]
         need = min(c, self.offset) - have
@@ -302,6 +318,12 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 
         return BatchQFiltersCache.merge(caches)
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """This cache with its K/V stored quantized (mlx-lm's ``maybe_quantize_kv_cache``
+        calls it for ``kv_bits`` / ``--kv-bits``): a :class:`QuantizedQFiltersKVCache`
+        that continues exactly (see :meth:`QuantizedStorageMixin.from_cache`)."""
+        return QuantizedQFiltersKVCache.from_cache(self, group_size=group_size, bits=bits)
+
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
         self._to_temporal()
@@ -311,3 +333,10 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module:
 # make ours resolvable there (adds a name; changes nothing else in mlx-lm).
 mlx_cache.QFiltersKVCache = QFiltersKVCache
+
+
+class QuantizedQFiltersKVCache(QuantizedStorageMixin, QFiltersKVCache):
+    """``QFiltersKVCache`` storing the kept K/V quantized (``config.kv_bits``; :mod:`.quantized`)."""
+
+
+mlx_cache.QuantizedQFiltersKVCache = QuantizedQFiltersKVCache

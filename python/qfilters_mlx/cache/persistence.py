@@ -5,6 +5,7 @@
   mode) reloads in the same slot layout, so it continues bit for bit like an
   uninterrupted run. The rewind journal is not saved: a reloaded cache can
   rewind only what it has seen since (a deeper ``trim`` raises).
+* ``to_quantized``: :mod:`.quantized` (``QFiltersKVCache.to_quantized``).
 * pickling and ``copy.deepcopy``: the resolved kernel backend (a table of
   compiled functions, not picklable) is stored by name and resolved again;
   everything else (arrays, journal) is copied, so copies are independent.
@@ -96,6 +97,9 @@ class PersistenceMixin:
         if slots is not None and (keys is None or order.shape != keys.shape[:3]
                                   or free.shape != keys.shape[:2]):
             raise ValueError("state: meta 'slots' does not match the rows")
+        if (config.kv_bits is not None) != hasattr(type(self), "bits"):
+            raise ValueError(f"state: kv_bits={config.kv_bits} was saved by another cache class than "
+                             f"{type(self).__name__} (QuantizedQFiltersKVCache stores kv_bits caches)")
         backend = get_backend(config.qfilters_backend)
         self._free = None
         self._victim_rows = None
@@ -129,16 +133,3 @@ class PersistenceMixin:
         d["queries_observed"] = False
         d["_queries_pending"] = False
         self.__dict__.update(d)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Refused: mlx-lm calls this for ``kv_bits`` / ``--kv-bits`` (``maybe_quantize_kv_cache``).
-
-        Raises:
-            ValueError: always; quantized storage of the kept keys/values does not
-                exist yet, and skipping quantization silently would break the promise.
-        """
-        raise ValueError(
-            f"kv_bits={bits} (KV-cache quantization) is not supported by QFiltersKVCache: "
-            "the kept keys/values are stored unquantized (quantized storage is not "
-            "implemented yet); run without kv_bits / --kv-bits"
-        )

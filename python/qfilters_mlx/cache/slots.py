@@ -145,8 +145,9 @@ class SlotModeMixin:
             B, H = self.keys.shape[:2]
             self._free = mx.full((B, H), n, dtype=mx.int32)
         free, be = self._free, self.backend
-        self.keys = be.write_slot(self.keys, keys, free)
-        self.values = be.write_slot(self.values, values, free)
+        stored_k, stored_v = self._store_rows(keys, values)  # (packed when quantized)
+        self.keys = be.write_slot(self.keys, stored_k, free)
+        self.values = be.write_slot(self.values, stored_v, free)
         if self.method == "qfilters":  # score + bookkeeping in one op (cpp)
             self.scores, self.positions, self._free = be.decode_select_keys(
                 self.scores, self.positions, keys, self.filter, free, self.offset,

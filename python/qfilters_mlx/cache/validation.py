@@ -16,6 +16,12 @@ class ValidationMixin:
             or its filter, or queries that a query-calibrated cache needs but never saw.
     """
 
+    def _input_layout(self) -> tuple:
+        """``(B, H_kv, D_k, D_v, dtype)`` of the inputs the stored rows came from
+        (the stored buffers' own here; the quantized cache overrides it). Needs a non-empty cache."""
+        B, H, _, D = self.keys.shape
+        return B, H, D, self.values.shape[3], self.keys.dtype
+
     def _validate(self, keys, values) -> None:
         for name, x in (("keys", keys), ("values", values)):
             if not isinstance(x, mx.array):
@@ -59,19 +65,16 @@ class ValidationMixin:
         if hd is not None and keys.shape[3] != hd:
             raise ValueError(f"keys head_dim {keys.shape[3]} does not match config.head_dim {hd}")
         if self.keys is not None:
-            B, H, _, D = self.keys.shape
+            B, H, D, Dv, dtype = self._input_layout()
             if (keys.shape[0], keys.shape[1], keys.shape[3]) != (B, H, D):
                 raise ValueError(
                     f"keys [B, H_kv, L, D] = {tuple(keys.shape)} do not match the cache "
                     f"(B={B}, H_kv={H}, D={D})"
                 )
-            if values.shape[3] != self.values.shape[3]:
-                raise ValueError(
-                    f"values head_dim {values.shape[3]} does not match the cache "
-                    f"({self.values.shape[3]})"
-                )
-            if keys.dtype != self.keys.dtype:
-                raise TypeError(f"keys dtype {keys.dtype} does not match the cache ({self.keys.dtype})")
+            if values.shape[3] != Dv:
+                raise ValueError(f"values head_dim {values.shape[3]} does not match the cache ({Dv})")
+            if keys.dtype != dtype:
+                raise TypeError(f"keys dtype {keys.dtype} does not match the cache ({dtype})")
         # Checks passed: the update goes ahead; a cache waiting for queries expects this
         # call's queries (observe_queries) before its next update.
         self._queries_pending = self.needs_queries

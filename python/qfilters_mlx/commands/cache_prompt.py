@@ -51,6 +51,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     options.check_quantized_kv_args(parser, args)
     cache_options.warn_ignored(parser, args)
     config = cache_options.config_from_args(parser, args)
+    options.check_quantized_kv_start(parser, args, config)
     text, _ = generation.read_prompt(parser, args)
     model_path = resolve_model(parser, args.model)
 
@@ -71,7 +72,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     with observe_queries(model, caches):
         for _ in generate_step(mx.array(tokens), model, max_tokens=0, prompt_cache=caches,
                                prefill_step_size=args.prefill_step_size,
-                               prompt_progress_callback=progress):
+                               prompt_progress_callback=progress, **generation.kv_quantization(args)):
             pass
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", file=sys.stderr)
     tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else {}

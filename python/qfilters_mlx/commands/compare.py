@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from qfilters_mlx.commands import cache_options, generation, summary
+from qfilters_mlx.commands import cache_options, generation, options, summary
 from qfilters_mlx.commands.model_path import resolve_model
 
 __all__ = ["parse_entries", "run_compare"]
@@ -60,6 +60,8 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
         print(f"{parser.prog}: warning: {flag} does nothing for any of --compare "
               f"{args.compare} (ignored)", file=sys.stderr)
     configs = [cache_options.config_from_args(parser, args, method=m, budget=b) for m, b in entries]
+    for c in configs:
+        options.check_quantized_kv_start(parser, args, c)
     text, shipped = generation.read_prompt(parser, args)
     model_path = resolve_model(parser, args.model)
     draft_path = resolve_model(parser, args.draft_model, "--draft-model") if args.draft_model else None

@@ -3,7 +3,7 @@
 Flags mirror ``mlx_lm.generate`` (0.32) where they fit (``--adapter-path``,
 ``--trust-remote-code``, ``--draft-model``, ``--chat-template-config``,
 ``--use-default-chat-template``, ``--prompt-cache-file``, ``--max-kv-size`` as the
-budget); mlx-lm's quantized-cache flags are refused. ``--compare`` runs the same
+budget); mlx-lm's quantized-cache flags (``--kv-bits``) are passed to its generation. ``--compare`` runs the same
 prompt through several caches and prints one table
 (:mod:`qfilters_mlx.commands.compare`). For the shipped prompt the summary says
 whether the answer contains its pass key.
@@ -153,6 +153,7 @@ def _run(parser, args, blas_library, world) -> int:
     else:
         cache_options.warn_ignored(parser, args)
         config = questions.compress_config(parser, args, cache_options.config_from_args(parser, args))
+        options.check_quantized_kv_start(parser, args, config)
         if args.context_file is not None:  # questions outside the compression
             return questions.run_questions(parser, args, config, blas_library)
     text, shipped = generation.read_prompt(parser, args)
@@ -228,6 +229,10 @@ def _summary_lines(model, model_path, config, result, shipped, blas_library, arg
         ("Cache config", f"{cache_options.describe_config(config)} backend={config.qfilters_backend} "
                          f"({','.join(backends) or 'none'})"),
     ]
+    if getattr(args, "kv_bits", None) is not None:
+        n = sum(hasattr(c, "bits") for c in result.caches)
+        lines.append(("KV storage", f"{args.kv_bits}-bit, group size {args.kv_group_size}, from token "
+                                    f"{args.quantized_kv_start}: {n} of {len(result.caches)} caches quantized"))
     if args.prompt_cache_file:
         lines.append(("Prompt cache file", args.prompt_cache_file))
     if args.draft_model:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["RunResult", "build_prompt", "load_model", "make_sampler_from_args", "prefill_progress",
-           "read_prompt", "run_generation"]
+           "kv_quantization", "read_prompt", "run_generation"]
 
 
 @dataclass
@@ -186,9 +186,19 @@ def prefill_progress(label: str = "Prefill", min_tokens: int = 0, stream=None):
     return callback
 
 
+def kv_quantization(args) -> dict:
+    """mlx-lm's quantized-cache arguments from ``--kv-bits`` & co. (empty without it): its
+    generation converts each cache with ``to_quantized`` past ``quantized_kv_start``."""
+    if getattr(args, "kv_bits", None) is None:
+        return {}
+    return dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                quantized_kv_start=args.quantized_kv_start)
+
+
 def run_generation(model, tokenizer, prompt_tokens, caches, args, *, draft=None, on_text=None,
                    progress=None) -> RunResult:
-    """Generate from ``prompt_tokens`` with ``caches`` (updated in place).
+    """Generate from ``prompt_tokens`` with ``caches`` (updated in place; with ``--kv-bits``
+    mlx-lm replaces them by their quantized versions, which ``RunResult.caches`` holds).
 
     Args:
         draft: ``(draft_model, draft_caches)`` for speculative decoding, or ``None``.
@@ -201,7 +211,7 @@ def run_generation(model, tokenizer, prompt_tokens, caches, args, *, draft=None,
 
     from qfilters_mlx.filters.observe import observe_queries
 
-    kwargs = {}
+    kwargs = kv_quantization(args)
     everything = list(caches)
     if draft is not None:  # the draft's caches never need queries (see draft_config)
         kwargs.update(draft_model=draft[0], num_draft_tokens=args.num_draft_tokens)
@@ -218,6 +228,7 @@ def run_generation(model, tokenizer, prompt_tokens, caches, args, *, draft=None,
             if on_text is not None:
                 on_text(last.text)
     seconds = time.perf_counter() - tic
+    caches = everything[: len(caches)]  # mlx-lm replaced the caches it quantized (--kv-bits)
     return RunResult(
         text="".join(pieces),
         prompt_tokens=len(prompt_tokens),

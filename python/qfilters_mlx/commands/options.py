@@ -1,5 +1,5 @@
 """Flags shared by ``generate`` and ``cache-prompt``: the model, the prompt, mlx-lm's
-quantized-cache flags (refused) and the eviction cache.
+quantized-cache flags (``--kv-bits``, passed to mlx-lm) and the eviction cache.
 
 The cache flags default to ``None`` so that the command can tell which ones the user
 gave: :mod:`qfilters_mlx.commands.cache_options` fills in the library's defaults
@@ -10,6 +10,7 @@ flags that do nothing for the chosen method.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from qfilters_mlx.config import (
     DEFAULT_BUDGET,
@@ -19,12 +20,18 @@ from qfilters_mlx.config import (
     DEFAULT_METHOD,
     DEFAULT_N_SINK,
     DEFAULT_RECENT_FRACTION,
+    DEFAULT_KV_GROUP_SIZE,
     FILTER_SOURCES,
+    KV_BITS,
+    KV_GROUP_SIZES,
     METHODS,
 )
 
+DEFAULT_QUANTIZED_KV_START = 5000
+"""mlx-lm's ``--quantized-kv-start`` default (``mlx_lm.generate.DEFAULT_QUANTIZED_KV_START``)."""
+
 __all__ = ["add_cache_args", "add_model_args", "add_prompt_args", "add_quantized_kv_args",
-           "check_quantized_kv_args", "parse_sign"]
+           "check_quantized_kv_args", "check_quantized_kv_start", "parse_sign"]
 
 
 def parse_sign(text: str) -> int | str:
@@ -81,22 +88,51 @@ def add_prompt_args(group) -> None:
 
 
 def add_quantized_kv_args(group) -> None:
-    """mlx-lm's quantized-cache flags, accepted so that they can be refused with a reason."""
-    for flag, text in (("--kv-bits", "bits of a quantized KV cache"),
-                       ("--kv-group-size", "group size of a quantized KV cache"),
-                       ("--quantized-kv-start", "step from which the KV cache is quantized")):
-        group.add_argument(flag, type=int, default=None,
-                           help=f"mlx-lm's {text}: refused (the eviction caches store K/V in "
-                                f"the model's dtype; quantized storage is not implemented)")
+    """mlx-lm's quantized-cache flags, as ``mlx_lm.generate`` spells them: passed to mlx-lm's
+    generation, which converts each cache with ``to_quantized`` once it holds
+    ``--quantized-kv-start`` tokens (``QuantizedQFiltersKVCache``: kept K/V quantized)."""
+    group.add_argument("--kv-bits", type=int, default=None,
+                       help="bits of the stored K/V (2, 4 or 8; default: not quantized): the kept "
+                            "rows are stored as mlx-lm's QuantizedKVCache stores them; the scores "
+                            "still come from the full-precision keys")
+    group.add_argument("--kv-group-size", type=int, default=None,
+                       help=f"group size of the K/V quantization (default {DEFAULT_KV_GROUP_SIZE})")
+    group.add_argument("--quantized-kv-start", type=int, default=None, metavar="N",
+                       help=f"quantize the caches once they have seen N tokens (default "
+                            f"{DEFAULT_QUANTIZED_KV_START}, mlx-lm's; at least --calib-tokens with "
+                            f"the query filter)")
 
 
 def check_quantized_kv_args(parser, args) -> None:
-    """Refuse mlx-lm's quantized-cache flags (they would be ignored by our caches)."""
-    for flag in ("kv_bits", "kv_group_size", "quantized_kv_start"):
-        if getattr(args, flag, None) is not None:
-            parser.error(f"--{flag.replace('_', '-')}: quantized KV storage is not supported by "
-                         f"the eviction caches yet (they keep K/V in the model's dtype; mlx-lm "
-                         f"would silently skip them); leave the flag out")
+    """Check the quantized-cache flags and fill in mlx-lm's defaults (``parser.error``
+    naming the flag); a flag that does nothing without ``--kv-bits`` is a warning."""
+    bits, group, start = (getattr(args, f, None) for f in ("kv_bits", "kv_group_size", "quantized_kv_start"))
+    if bits is None:
+        for flag, value in (("--kv-group-size", group), ("--quantized-kv-start", start)):
+            if value is not None:
+                print(f"{parser.prog}: warning: {flag} does nothing without --kv-bits", file=sys.stderr)
+    elif bits not in KV_BITS:
+        parser.error(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {bits}")
+    if group is not None and group not in KV_GROUP_SIZES:
+        parser.error(f"--kv-group-size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {group}")
+    if start is not None and start < 0:
+        parser.error(f"--quantized-kv-start must be >= 0, got {start}")
+    if bits is not None and getattr(args, "draft_model", None) is not None:
+        parser.error("--kv-bits with --draft-model: a quantized eviction cache cannot rewind "
+                     "rejected drafts (qfilters_max_rewind must be 0)")
+    args.kv_group_size = DEFAULT_KV_GROUP_SIZE if group is None else group
+    args.quantized_kv_start = DEFAULT_QUANTIZED_KV_START if start is None else start
+
+
+def check_quantized_kv_start(parser, args, config) -> None:
+    """With ``--kv-bits`` and the query filter (``config.needs_queries``):
+    ``--quantized-kv-start`` must be at least ``--calib-tokens`` (a cache cannot be
+    quantized while it waits for the queries of its filter)."""
+    if getattr(args, "kv_bits", None) is not None and config is not None and config.needs_queries \
+            and args.quantized_kv_start < config.qfilters_calib_tokens:
+        parser.error(f"--quantized-kv-start {args.quantized_kv_start} is below --calib-tokens "
+                     f"{config.qfilters_calib_tokens}: the query filter must be estimated before the "
+                     f"caches are quantized")
 
 
 def add_cache_args(group) -> None:

@@ -7,7 +7,8 @@ are left-padded with zeros to the longest row and
 :meth:`MultiArmCache.make_mask` masks the padding out, so one model call
 advances every arm by the same tokens. Each arm's cache sees exactly the
 keys/values of its own row, so its eviction is the one it would make alone
-(checked in ``tests/test_evaluation.py``).
+(checked in ``tests/test_evaluation.py``). Quantized caches (``kv_bits``) batch
+through :class:`QuantizedMultiArmCache` (one ``bits`` per batch).
 
 :func:`batch_caches` turns per-arm cache lists into the per-layer list a model
 call takes (the arm's own list when there is one arm).
@@ -16,8 +17,9 @@ call takes (the arm's own list when there is one arm).
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
-__all__ = ["MultiArmCache", "batch_caches"]
+__all__ = ["MultiArmCache", "QuantizedMultiArmCache", "batch_caches"]
 
 
 class MultiArmCache:
@@ -64,7 +66,7 @@ class MultiArmCache:
         # whole unevaluated model graph once per row.
         mx.eval(keys, values)
         outs = [c.update_and_fetch(keys[i : i + 1], values[i : i + 1]) for i, c in enumerate(self.caches)]
-        S = max(k.shape[2] for k, _ in outs)
+        S = max(_rows(k) for k, _ in outs)
 
         def pad(x):
             n = S - x.shape[2]
@@ -72,11 +74,9 @@ class MultiArmCache:
                 return x
             return mx.concatenate([mx.zeros((*x.shape[:2], n, x.shape[3]), x.dtype), x], axis=2)
 
-        if all(k.shape[2] == S for k, _ in outs):
-            return (mx.concatenate([k for k, _ in outs], axis=0),
-                    mx.concatenate([v for _, v in outs], axis=0))
-        return (mx.concatenate([pad(k) for k, _ in outs], axis=0),
-                mx.concatenate([pad(v) for _, v in outs], axis=0))
+        # Quantized caches return (packed, scales, biases) triples: pad and stack each part.
+        return tuple(tree_map(lambda *xs: mx.concatenate([pad(x) for x in xs], axis=0),
+                              *[out[j] for out in outs]) for j in (0, 1))
 
     @property
     def queries_observed(self) -> bool:
@@ -108,6 +108,27 @@ class MultiArmCache:
         return valid[:, None, None, :] & causal[None, None]
 
 
+def _rows(k) -> int:
+    return (k[0] if isinstance(k, tuple) else k).shape[2]
+
+
+class QuantizedMultiArmCache(MultiArmCache):
+    """:class:`MultiArmCache` of quantized caches (``kv_bits``), all with the same ``bits``
+    and ``group_size`` (mlx-lm's quantized attention reads them from the batch cache):
+    rows are ``(packed, scales, biases)`` triples, zero-padded like the plain ones.
+
+    Raises:
+        ValueError: the caches differ in ``bits`` / ``group_size``.
+    """
+
+    def __init__(self, caches):
+        super().__init__(caches)
+        kinds = {(c.bits, c.group_size) for c in self.caches}
+        if len(kinds) != 1:
+            raise ValueError(f"one batch needs one kv_bits/kv_group_size, got {sorted(kinds)}")
+        self.bits, self.group_size = kinds.pop()
+
+
 def batch_caches(rows: list[list]) -> list:
     """Per-layer caches for a batch of arms.
 
@@ -128,4 +149,11 @@ def batch_caches(rows: list[list]) -> list:
     n_layers = len(rows[0])
     if any(len(r) != n_layers for r in rows):
         raise ValueError("every row needs one cache per layer")
-    return [MultiArmCache([r[i] for r in rows]) for i in range(n_layers)]
+    out = []
+    for i in range(n_layers):
+        layer = [r[i] for r in rows]
+        quantized = [hasattr(c, "bits") for c in layer]
+        if any(quantized) and not all(quantized):
+            raise ValueError("quantized (kv_bits) and unquantized arms cannot share a batch")
+        out.append((QuantizedMultiArmCache if all(quantized) else MultiArmCache)(layer))
+    return out

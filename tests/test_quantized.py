@@ -1,0 +1,289 @@
+"""Quantized storage (issue 19): ``KVCacheConfig(kv_bits=...)`` / ``to_quantized``.
+
+References: the unquantized cache (same kept set, rows quantized with ``mx.quantize``),
+mlx-lm's ``QuantizedKVCache`` (logits bit for bit when nothing is evicted) and mlx-lm's own
+``generate_step(kv_bits=...)`` path (``maybe_quantize_kv_cache`` -> ``to_quantized``).
+"""
+
+import copy
+import pickle
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache, observe_queries
+from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
+from qfilters_mlx.config import METHODS
+
+D = 64
+CHUNKS = [10, 30, 1, 1, 1, 7, 1, 1, 1, 1, 25] + [1] * 12  # prefill, decode, a chunk, decode
+
+
+def config(method="qfilters", **kw):
+    base = dict(method=method, qfilters_budget=24, qfilters_n_sink=2, qfilters_recent=6,
+                qfilters_calib_tokens=16, qfilters_filter_source="keys", qfilters_sign=-1)
+    return KVCacheConfig(**{**base, **kw})
+
+
+def rand_kv(seed, T, H=2, dtype=mx.float16):
+    mx.random.seed(seed)
+    return (mx.random.normal((1, H, T, D)).astype(dtype), mx.random.normal((1, H, T, D)).astype(dtype))
+
+
+def qdq(x, bits, g=64):
+    """The quantize/dequantize round trip mlx-lm's QuantizedKVCache applies to a row."""
+    return mx.dequantize(*mx.quantize(x, group_size=g, bits=bits), group_size=g, bits=bits)
+
+
+def feed(caches, k, v, chunks=CHUNKS):
+    """Feed the same chunks to every cache; yield each call's outputs."""
+    t = 0
+    for L in chunks:
+        yield [c.update_and_fetch(k[:, :, t:t + L], v[:, :, t:t + L]) for c in caches]
+        t += L
+
+
+# ------------------------------------------------------------ kept set and rows
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_kept_set_and_rows_equal_the_unquantized_cache(method, bits):
+    """Every call: the quantized cache returns mlx-lm's quantized triples whose dequantized
+    rows equal quantize/dequantize of what the unquantized cache returns (same rows, same
+    order, slot mode included); after prefill and decode past several evictions the kept
+    positions are the same."""
+    k, v = rand_kv(1, sum(CHUNKS))
+    plain, quant = QFiltersKVCache(config(method)), QFiltersKVCache(config(method, kv_bits=bits))
+    assert type(quant) is QuantizedQFiltersKVCache and not hasattr(plain, "bits")
+    for (kp, vp), (kq, vq) in feed([plain, quant], k, v):
+        assert len(kq) == 3 and kq[0].dtype == mx.uint32 and kq[1].dtype == mx.float16
+        for full, packed in ((kp, kq), (vp, vq)):
+            got = mx.dequantize(*packed, group_size=64, bits=bits)
+            assert mx.array_equal(got, qdq(full, bits)).item()
+    if method != "full":
+        assert plain.evicted and quant.evicted and quant.size() == 24
+    np.testing.assert_array_equal(np.array(plain.kept_positions()), np.array(quant.kept_positions()))
+    kept_k = plain.state[0]
+    stored = quant._unpack(quant.state[0], 0)
+    assert mx.array_equal(mx.dequantize(*stored, group_size=64, bits=bits), qdq(kept_k, bits)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_other_dtypes_and_group_sizes(dtype, group_size):
+    k, v = rand_kv(2, sum(CHUNKS), dtype=dtype)
+    k = mx.concatenate([k, k], axis=-1)  # D = 128
+    v = mx.concatenate([v, v], axis=-1)
+    plain = QFiltersKVCache(config())
+    quant = QFiltersKVCache(config(kv_bits=4, kv_group_size=group_size))
+    for (kp, _), (kq, _) in feed([plain, quant], k, v):
+        ref = mx.dequantize(*mx.quantize(kp, group_size=group_size, bits=4), group_size=group_size, bits=4)
+        assert mx.array_equal(mx.dequantize(*kq, group_size=group_size, bits=4), ref).item()
+    np.testing.assert_array_equal(np.array(plain.kept_positions()), np.array(quant.kept_positions()))
+
+
+def test_trim_back_into_calibration_recalibrates_from_full_precision_keys():
+    """Before the first eviction a trim below calib_tokens drops the filter; the quantized
+    cache re-estimates it from its full-precision keys exactly as the unquantized one."""
+    k, v = rand_kv(3, 80)
+    plain, quant = QFiltersKVCache(config(qfilters_budget=40)), QFiltersKVCache(config(qfilters_budget=40,
+                                                                                       kv_bits=8))
+    list(feed([plain, quant], k, v, [20]))
+    assert quant.filter is not None and plain.trim(8) == quant.trim(8) == 8 and quant.filter is None
+    list(feed([plain, quant], k[:, :, 12:], v[:, :, 12:], [10, 30] + [1] * 10))
+    assert quant.evicted and quant._fp_keys is None
+    np.testing.assert_array_equal(np.array(plain.kept_positions()), np.array(quant.kept_positions()))
+    assert mx.array_equal(plain.filter, quant.filter).item()
+
+
+# ------------------------------------------------------------------- bytes
+def test_nbytes_counts_packed_scales_and_biases():
+    """method='full' stores what QuantizedKVCache stores (same 256-row blocks): its K/V bytes
+    equal QuantizedKVCache.nbytes; the eviction cache holds about bits/16 of the float16 bytes."""
+    k, v = rand_kv(4, 300)
+    ours, theirs = QFiltersKVCache(config("full", kv_bits=4)), QuantizedKVCache(group_size=64, bits=4)
+    for t, L in ((0, 256), (256, 44)):
+        ours.update_and_fetch(k[:, :, t:t + L], v[:, :, t:t + L])
+        theirs.update_and_fetch(k[:, :, t:t + L], v[:, :, t:t + L])
+    assert ours.keys.shape[2] == theirs.keys[0].shape[2] == 512
+    assert ours.nbytes - ours.scores.nbytes - ours.positions.nbytes == theirs.nbytes
+    per_row = 2 * 2 * (D * 4 // 8 + 2 * 2)  # K and V, H=2: packed bytes + fp16 scale + bias
+    assert ours.full_seq_bytes == per_row * 300 and ours.qfilters_kept_bytes == per_row * 300
+
+
+# ---------------------------------------------------- model: logits bit for bit
+def tiny_llama(seed=0):
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=D, rms_norm_eps=1e-5,
+                           vocab_size=61, rope_theta=10000.0, tie_word_embeddings=False)
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    model.set_dtype(mx.float16)
+    mx.eval(model.parameters())
+    return model
+
+
+MODEL = tiny_llama()
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 61, 40)]
+
+
+def logits_run(caches, chunks=(25, 15), steps=12):
+    """Prefill PROMPT in ``chunks``, then greedy decode: every call's last logits (numpy)."""
+    out, t = [], 0
+    for L in chunks:
+        logits = MODEL(mx.array(PROMPT[t:t + L], mx.uint32)[None], cache=caches)
+        out.append(np.array(logits[0, -1].astype(mx.float32)))
+        t += L
+    for _ in range(steps):
+        y = int(np.argmax(out[-1]))
+        out.append(np.array(MODEL(mx.array([[y]], mx.uint32), cache=caches)[0, -1].astype(mx.float32)))
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("method", ["qfilters", "full"])
+def test_logits_equal_mlx_lm_quantized_kv_cache(method, bits):
+    """Budget >= length: the logits of every call equal those with mlx-lm's QuantizedKVCache."""
+    ours = KVCacheBuilder.for_model(MODEL, config(method, qfilters_budget=64, kv_bits=bits))
+    theirs = [QuantizedKVCache(group_size=64, bits=bits) for _ in ours]
+    a, b = logits_run(ours), logits_run(theirs)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("start", [0, 30])
+def test_mlx_lm_generate_step_kv_bits_uses_to_quantized(start):
+    """mlx-lm's own path: generate_step(kv_bits=8) converts our caches with to_quantized
+    (maybe_quantize_kv_cache) and yields the log-probabilities of its own caches."""
+    ours = KVCacheBuilder.for_model(MODEL, config(qfilters_budget=64))
+    theirs = make_prompt_cache(MODEL)
+    prompt = mx.array(PROMPT, mx.uint32)
+    kw = dict(max_tokens=10, kv_bits=8, kv_group_size=64, quantized_kv_start=start, prefill_step_size=16)
+    a = [np.array(lp) for _, lp in generate_step(prompt, MODEL, prompt_cache=ours, **kw)]
+    b = [np.array(lp) for _, lp in generate_step(prompt, MODEL, prompt_cache=theirs, **kw)]
+    assert all(type(c) is QuantizedQFiltersKVCache for c in ours)
+    assert all(type(c) is QuantizedKVCache for c in theirs)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_query_filter_kept_set_equals_unquantized_on_a_model():
+    """The paper's query filter (observe_queries) with kv_bits: same filter and kept set
+    after the prefill as without quantization (attention differs afterwards)."""
+    cfg = dict(qfilters_filter_source="queries", qfilters_sign=None, qfilters_budget=16)
+    kept = []
+    for bits in (None, 4):
+        caches = KVCacheBuilder.for_model(MODEL, config(**cfg, kv_bits=bits))
+        with observe_queries(MODEL, caches):
+            MODEL(mx.array(PROMPT[:20], mx.uint32)[None], cache=caches)
+            MODEL(mx.array(PROMPT[20:], mx.uint32)[None], cache=caches)
+        assert all(c.evicted for c in caches)
+        kept.append([np.array(c.kept_positions()) for c in caches])
+    for x, y in zip(*kept):
+        np.testing.assert_array_equal(x, y)
+
+
+# ------------------------------------------------------------ save/load, copies
+@pytest.mark.parametrize("when", [8, 30, 44])  # before calibration, after eviction, in slot mode
+def test_save_load_continues_bit_for_bit(tmp_path, when):
+    k, v = rand_kv(5, 90)
+    a = QFiltersKVCache(config(kv_bits=4))
+    list(feed([a], k, v, [when]))
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, [a])
+    (b,) = load_prompt_cache(path)
+    assert type(b) is QuantizedQFiltersKVCache and b.offset == a.offset
+    for (ka, va), (kb, vb) in feed([a, b], k[:, :, when:], v[:, :, when:], [1] * 6 + [9] + [1] * 5):
+        for x, y in zip((*ka, *va), (*kb, *vb)):
+            assert mx.array_equal(x, y).item()
+    np.testing.assert_array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_are_independent_and_continue_bit_for_bit(how):
+    k, v = rand_kv(6, 90)
+    a = QFiltersKVCache(config(kv_bits=8))
+    list(feed([a], k, v, [30, 1, 1, 1]))
+    b = copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))
+    before = [np.array(x) for x in a.state[:4]]
+    runs = [list(feed([c], k[:, :, 33:], v[:, :, 33:], [1] * 8)) for c in (b,)]
+    assert all(np.array_equal(x, np.array(y)) for x, y in zip(before, a.state[:4]))  # a untouched
+    for (out_b,), (out_a,) in zip(runs[0], feed([a], k[:, :, 33:], v[:, :, 33:], [1] * 8)):
+        for x, y in zip((*out_a[0], *out_a[1]), (*out_b[0], *out_b[1])):
+            assert mx.array_equal(x, y).item()
+
+
+def test_to_quantized_continues_like_a_cache_built_quantized():
+    """to_quantized mid-decode (slot mode) equals a cache built with kv_bits, fed the same."""
+    k, v = rand_kv(7, 80)
+    plain, built = QFiltersKVCache(config()), QFiltersKVCache(config(kv_bits=4))
+    list(feed([plain, built], k, v, [30, 1, 1]))
+    conv = plain.to_quantized(group_size=64, bits=4)
+    assert type(conv) is QuantizedQFiltersKVCache and conv.to_quantized(64, 4) is conv
+    for (kb, vb), (kc, vc) in feed([built, conv], k[:, :, 32:], v[:, :, 32:], [1] * 6 + [5] + [1] * 4):
+        for x, y in zip((*kb, *vb), (*kc, *vc)):
+            assert mx.array_equal(x, y).item()
+    assert conv.nbytes == built.nbytes
+
+
+# ------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_bits=3), "kv_bits must be None or one of"),
+    (dict(kv_bits=16), "kv_bits must be None or one of"),
+    (dict(kv_bits=4, kv_group_size=48), "kv_group_size must be one of"),
+    (dict(kv_bits=4, head_dim=96), r"head_dim \(96\) must be a multiple of kv_group_size \(64\)"),
+    (dict(kv_bits=8, qfilters_max_rewind=4), "kv_bits=8 needs qfilters_max_rewind=0"),
+])
+def test_config_errors_name_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        config(**kw)
+    with pytest.raises(TypeError, match="kv_bits must be an int"):
+        config(kv_bits="4")
+
+
+def test_runtime_errors_are_clear_and_change_nothing():
+    with pytest.raises(ValueError, match="needs config.kv_bits"):
+        QuantizedQFiltersKVCache(config())
+    c = QFiltersKVCache(config(kv_bits=4))
+    with pytest.raises(ValueError, match="keys head_dim 48 is not a multiple of kv_group_size 64"):
+        c.update_and_fetch(mx.zeros((1, 2, 3, 48)), mx.zeros((1, 2, 3, 48)))
+    assert c.empty() and c.offset == 0
+    k, v = rand_kv(8, 10)
+    c.update_and_fetch(k, v)
+    with pytest.raises(ValueError, match="cannot requantize to 8, 64"):
+        c.to_quantized(group_size=64, bits=8)
+    waiting = QFiltersKVCache(config(qfilters_filter_source="queries", qfilters_sign=None))
+    with pytest.raises(ValueError, match="before its filter is estimated from queries"):
+        waiting.to_quantized(group_size=64, bits=4)
+    plain = QFiltersKVCache(config())
+    plain.update_and_fetch(k, v)
+    with pytest.raises(ValueError, match="saved by another cache class"):
+        plain.state = c.state[:7]
+    with pytest.raises(ValueError, match="for a QuantizedQFiltersKVCache"):
+        c.state = plain.state
+
+
+# ------------------------------------------------------- evaluation batches
+def test_quantized_arms_batch_like_each_alone():
+    """QuantizedMultiArmCache: quantized arms of different budgets in one batch give the NLLs
+    each gives alone (padding masked); mixing quantized and plain arms is refused."""
+    from qfilters_mlx.evaluation.multi_arm import QuantizedMultiArmCache, batch_caches
+    from qfilters_mlx.evaluation.perplexity import batched_streaming_nll
+
+    def row(budget, bits=8):
+        cfg = config(qfilters_budget=budget, qfilters_recent=4, kv_bits=bits)
+        return KVCacheBuilder.for_model(MODEL, cfg)
+
+    rows = [row(20), row(32)]
+    assert all(type(c) is QuantizedMultiArmCache and c.bits == 8 for c in batch_caches(rows))
+    batched = batched_streaming_nll(MODEL, PROMPT, rows, prefix=8)
+    for budget, got in zip((20, 32), batched):
+        alone = batched_streaming_nll(MODEL, PROMPT, [row(budget)], prefix=8)[0]
+        np.testing.assert_allclose(got, alone, atol=2e-3, rtol=2e-3)  # float16 model, batched matmuls
+    with pytest.raises(ValueError, match="cannot share a batch"):
+        batch_caches([row(20), KVCacheBuilder.for_model(MODEL, config())])
+    with pytest.raises(ValueError, match="one kv_bits/kv_group_size"):
+        batch_caches([row(20), row(20, bits=4)])
