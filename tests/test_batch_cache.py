@@ -234,3 +234,17 @@ def test_save_and_load_a_batch_cache(tmp_path):
     np.testing.assert_array_equal(np.array(a), np.array(b))
     for i in range(2):
         _same_row([c.extract(i) for c in loaded], [c.extract(i) for c in batch])
+
+
+def test_compress_once_rows_batch_like_alone():
+    """Compress-once caches (issue 16) in a batch: each row compresses at its own prompt end
+    (the first single-token call after its prefill) and then grows, exactly as alone."""
+    model = tiny_llama()
+    cfg = config(qfilters_mode="compress_once", qfilters_compression_ratio=0.5, qfilters_recent=None)
+    KVCacheBuilder.install(model, cfg)
+    rows = prompts([40, 9, 70])
+    toks, caches, lps = batched(model, rows, 8)
+    _check_against_alone(model, cfg, rows, toks, caches, lps, 8)
+    for i, p in enumerate(rows):  # compressed to int((len - 1) * 0.5) kept, then grew by 9 tokens
+        kept = max(1, int((len(p) - 1) * 0.5))
+        assert caches[i][0].size() == kept + 9, i

@@ -159,7 +159,7 @@ class BatchQFiltersCache(_BaseCache):
         if B != len(self.caches):
             raise ValueError(f"keys hold {B} sequences for {len(self.caches)} batch rows")
         plan = plan_rows(N, self._skip, self._remaining)
-        sizes = [c.size() for c in self.caches]
+        sizes = self._sizes(plan)
         # Evaluate (or schedule) this layer's inputs once: each row then walks only its own graph.
         (mx.eval if N > 1 else mx.async_eval)(keys, values)
         outs = []
@@ -176,6 +176,14 @@ class BatchQFiltersCache(_BaseCache):
         S = max(max(sizes[i] + n for i, (_, n) in enumerate(plan)), 1)
         return _stack(outs, keys, values, S)
 
+    def _sizes(self, plan) -> list[int]:
+        """Each row's stored tokens before this call, after the compress-once trigger of its
+        ``n`` tokens (a compress-once row compresses at its first single-token call)."""
+        for c, (_, n) in zip(self.caches, plan):
+            if n:
+                c.prepare_call(n)
+        return [c.size() for c in self.caches]
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for the next call of ``N`` tokens: the row cache's own mask when no row is
         padded, else a boolean ``[B, 1, N, S]`` array (:func:`padded_mask`).
@@ -186,7 +194,7 @@ class BatchQFiltersCache(_BaseCache):
         if window_size is not None:
             raise ValueError("BatchQFiltersCache does not support sliding-window masks")
         plan = plan_rows(N, self._skip, self._remaining)
-        sizes = [c.size() for c in self.caches]
+        sizes = self._sizes(plan)
         if len(set(sizes)) == 1 and all(p == (0, N) for p in plan):
             return self.caches[0].make_mask(N, return_array=return_array)
         return padded_mask(N, sizes, plan)

@@ -109,6 +109,13 @@ class CompressionMixin:
         instead of running slot-mode eviction steps."""
         return self.config.compress_once and self._n < self._budget_now()
 
+    def prepare_call(self, tokens: int) -> None:
+        """Run the compress-once ``prompt_end`` trigger for a coming call of ``tokens`` tokens
+        (idempotent; ``update_and_fetch`` runs it too). A batch cache calls it before it sizes
+        its rows for the attention mask, so that a row compressing at this call is sized
+        after its compression."""
+        self._before_call(tokens)
+
     def _before_call(self, tokens: int) -> None:
         """The ``prompt_end`` trigger, run before a call of ``tokens`` tokens is stored."""
         c = self.config
