@@ -116,10 +116,10 @@ def run(parser, args, blas_library: str | None = None) -> int:
 
     world = distributed.group()
     with distributed.only_rank0_prints(world.rank()):
-        return _calibrate(parser, args, text, source, model_path, world)
+        return _calibrate(parser, args, text, source, model_path, world, budgets)
 
 
-def _calibrate(parser, args, text, source, model_path, world) -> int:
+def _calibrate(parser, args, text, source, model_path, world, budgets: tuple) -> int:
     """Load (sharded over the ranks under ``mlx.launch``), calibrate, write (rank 0)."""
     from mlx_lm import load
 
