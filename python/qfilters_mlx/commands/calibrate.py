@@ -41,11 +41,12 @@ def add_parser(sub) -> None:
                      help=f"at most this many query rows per head (default {DEFAULT_CALIB_SAMPLES})")
     cal.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                      help=f"tokens per independent forward pass (default {DEFAULT_CHUNK})")
-    cal.add_argument("--window-budgets", default=",".join(map(str, DEFAULT_WINDOW_BUDGETS)),
+    cal.add_argument("--window-budgets", default=None,
                      metavar="B1,B2,...",
                      help="budgets to calibrate per-head recent windows for (stored with the filters, "
                           "used by qfilters_recent='calibrated' / --recent calibrated); '' for none "
-                          f"(default {','.join(map(str, DEFAULT_WINDOW_BUDGETS))})")
+                          f"(default {','.join(map(str, DEFAULT_WINDOW_BUDGETS))}, less those the "
+                          "calibration sequences are too short for, said on stderr)")
     cal.add_argument("--window-chunk", type=int, default=DEFAULT_WINDOW_CHUNK,
                      help="tokens per forward pass of the window search (the same calibration tokens; "
                           f"default {DEFAULT_WINDOW_CHUNK})")
@@ -94,6 +95,9 @@ def run(parser, args, blas_library: str | None = None) -> int:
     """
     if args.tokens < 1 or args.samples < 1 or args.chunk < 1 or args.window_chunk < 1:
         parser.error("--tokens, --samples, --chunk and --window-chunk must be >= 1")
+    args.window_budgets_given = args.window_budgets is not None
+    if args.window_budgets is None:
+        args.window_budgets = ",".join(map(str, DEFAULT_WINDOW_BUDGETS))
     try:
         budgets = tuple(int(b) for b in args.window_budgets.split(",") if b.strip())
     except ValueError:
@@ -149,6 +153,15 @@ def _calibrate(parser, args, text, source, model_path, world, budgets: tuple) ->
         except ValueError as err:  # QueriesNotCaptured names the layers; shapes that do not fit
             parser.error(str(err))
     windows, info = None, {}
+    longest = min(len(ids), args.window_chunk)
+    if budgets and not args.window_budgets_given:
+        # Default budgets the calibration text is too short to simulate are dropped, said.
+        short = [b for b in budgets if longest <= b + 1]
+        budgets = tuple(b for b in budgets if longest > b + 1)
+        if short:
+            print(f"Per-head recent windows: budgets {', '.join(map(str, short))} skipped (the "
+                  f"calibration sequences hold {longest} tokens; a budget needs more than budget + 1)",
+                  file=sys.stderr, flush=True)
     if budgets and world.size() > 1:
         print("Per-head recent windows are not chosen under mlx.launch (each rank sees only its "
               "KV heads): the file holds the filters only; run `qfilters-mlx calibrate "
