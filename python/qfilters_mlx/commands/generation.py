@@ -228,7 +228,10 @@ def run_generation(model, tokenizer, prompt_tokens, caches, args, *, draft=None,
             if on_text is not None:
                 on_text(last.text)
     seconds = time.perf_counter() - tic
-    caches = everything[: len(caches)]  # mlx-lm replaced the caches it quantized (--kv-bits)
+    if hasattr(caches, "report"):  # keep the BudgetedCaches (its report: shard, partial build)
+        caches[:] = everything[: len(caches)]  # mlx-lm replaced the caches it quantized (--kv-bits)
+    else:
+        caches = everything[: len(caches)]
     return RunResult(
         text="".join(pieces),
         prompt_tokens=len(prompt_tokens),
