@@ -9,8 +9,8 @@ import pytest
 from oracle import np_keep
 from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.filters import calibration as cal
-from qfilters_mlx.filters.windows import (calibrate_windows, captured_mass, load_windows, sample_times,
-                                          window_grid, window_tensors)
+from qfilters_mlx.filters.window_measures import captured_mass, output_error, sample_times
+from qfilters_mlx.filters.windows import RULES, calibrate_windows, load_windows, window_grid, window_tensors
 from test_query_filters import tiny_llama
 
 
@@ -30,18 +30,32 @@ def _local_and_content_heads(T=300, D=8, seed=0):
     f = np.zeros((1, 2, D))
     f[0, 0, 1] = 1.0  # noise direction for the local head
     f[0, 1, 2] = 1.0
-    return k, q, f
+    v = rng.standard_normal((2, T, D))  # every position carries its own value
+    return k, q, f, v
 
 
-def test_local_head_picks_the_largest_window_content_head_the_smallest():
-    k, q, f = _local_and_content_heads()
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_local_head_picks_the_largest_window_content_head_the_smallest(rule):
+    k, q, f, v = _local_and_content_heads()
     budget, n_sink = 32, 2
-    seq = [(k, q.reshape(2, 300, 8))]
-    windows, summary = calibrate_windows([seq], f, n_sink=n_sink, budgets=(budget,))
+    seq = [(k, q.reshape(2, 300, 8), v)]
+    windows, summary = calibrate_windows([seq], f, n_sink=n_sink, budgets=(budget,), rule=rule)
     assert windows.shape == (1, 1, 2)
     assert windows[0, 0].tolist() == [budget - n_sink, 0]
     assert max(window_grid(budget, n_sink)) == budget - n_sink and min(window_grid(budget, n_sink)) == 0
-    assert summary[budget]["mass_chosen"] >= summary[budget]["mass_half"]
+    s = summary[budget]
+    assert s["rule"] == rule and s["mean_window"] == (budget - n_sink) / 2
+    assert s["mass_chosen"] >= s["mass_half"] and s["output_chosen"] <= s["output_half"]
+
+
+def test_output_rule_needs_values_and_rules_are_named():
+    k, q, f, _ = _local_and_content_heads()
+    with pytest.raises(ValueError, match="values"):
+        calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,))
+    with pytest.raises(ValueError, match="rule must be one of"):
+        calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="loss")
+    windows, summary = calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="mass")
+    assert windows[0, 0].tolist() == [30, 0] and "output_chosen" not in summary[32]
 
 
 def test_captured_mass_equals_the_selection_rule_written_out():
@@ -63,6 +77,30 @@ def test_captured_mass_equals_the_selection_rule_written_out():
                 p /= p.sum(-1, keepdims=True)
                 want[i, h] += p[:, kept].sum(-1).mean() / len(times)
     np.testing.assert_allclose(got, want, rtol=1e-10)
+
+
+def test_output_error_equals_the_selection_rule_written_out():
+    rng = np.random.default_rng(2)
+    H, G, T, D, Dv, budget, n_sink = 2, 3, 90, 8, 5, 20, 3
+    k = rng.standard_normal((H, T, D))
+    q = rng.standard_normal((H, G, T, D))
+    v = rng.standard_normal((H, T, Dv))
+    s = rng.standard_normal((H, T))
+    grid = window_grid(budget, n_sink)
+    times = sample_times(T, budget, 7)
+    got = output_error(k, q, v, s, budget, n_sink, grid, times)
+    want = np.zeros_like(got)
+    for i, r in enumerate(grid):
+        for h in range(H):
+            for t in times:
+                kept = np.append(np_keep(s[h, :t], budget, n_sink, r), t)
+                for g in range(G):
+                    logits = k[h, : t + 1] @ q[h, g, t] / np.sqrt(D)
+                    p = np.exp(logits - logits.max())
+                    full = (p / p.sum()) @ v[h, : t + 1]
+                    pk = p[kept] / p[kept].sum()
+                    want[i, h] += np.sum((pk @ v[h, kept] - full) ** 2) / (G * len(times))
+    np.testing.assert_allclose(got, want, rtol=1e-9)
 
 
 def test_files_with_and_without_windows_load(tmp_path):

@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                      help="tokens per forward pass of the window search (the same calibration tokens; "
                           f"default {DEFAULT_WINDOW_CHUNK})")
     cal.add_argument("--window-n-sink", type=int, default=4, help="sinks the windows are calibrated for")
+    cal.add_argument("--window-rule", choices=("output", "mass"), default="output",
+                     help="what a window is chosen by: least attention-output error (default) or most "
+                          "captured attention mass (the first rule, kept for comparison)")
     cal.add_argument("--filters-from", default=None, metavar="FILE",
                      help="take the filters from this earlier `calibrate` output (same model, checked) "
                           "instead of estimating them again; only the per-head windows are computed")
@@ -177,16 +180,17 @@ def _calibrate(parser, args, text, source, model_path, world, budgets: tuple) ->
         wchunks = [ids[i:i + args.window_chunk] for i in range(0, len(ids), args.window_chunk)]
         try:
             w, summary = calibrate_windows(keys_and_queries(model, wchunks), np.array(filters),
-                                           n_sink=args.window_n_sink, budgets=budgets)
+                                           n_sink=args.window_n_sink, budgets=budgets, rule=args.window_rule)
         except ValueError as err:
             parser.error(f"--window-budgets: {err}")
-        windows = window_tensors(w, budgets, args.window_n_sink, summary)
+        windows = window_tensors(w, budgets, args.window_n_sink, summary, rule=args.window_rule)
         for b in budgets:
             m = summary[b]
             print(f"  budget {b}: mean window {m['mean_window']:.1f} (0: {m['share_zero']:.0%} of heads, "
                   f"budget - n_sink: {m['share_full']:.0%}); captured attention mass {m['mass_chosen']:.4f} "
-                  f"vs {m['mass_half']:.4f} at budget/2, {m['mass_streaming']:.4f} StreamingLLM",
-                  file=sys.stderr)
+                  f"vs {m['mass_half']:.4f} at budget/2, {m['mass_streaming']:.4f} StreamingLLM; "
+                  f"attention-output error {m['output_chosen']:.4g} vs {m['output_half']:.4g}, "
+                  f"{m['output_streaming']:.4g}", file=sys.stderr)
     if args.filters_from:
         info["filters_from"] = args.filters_from
     save_filters(args.out, filters, model, windows=windows, calibration_text=source,

@@ -261,11 +261,10 @@ def _run_segments(parser, args, model, tokenizer, text, settings, results, arms,
     if missing:
         parser.error(f"--segment-arms: unknown or unavailable arms {missing} (the calibrated and "
                      "per-head arms need --filters; the per-head arm a file with windows)")
-    seg = SegmentSettings(budgets=tuple(settings.budgets), n_sink=settings.n_sink,
-                          calib_tokens=settings.calib_tokens, seed=settings.seed, backend=settings.backend,
-                          ppl_prefix=args.segment_prefix if not args.quick else settings.ppl_prefix,
-                          ppl_scored=args.segment_scored if not args.quick else settings.ppl_scored,
-                          segments=tuple(x.strip() for x in args.segments.split(",") if x.strip()))
+    sizes = settings.shared()
+    if not args.quick:
+        sizes.update(ppl_prefix=args.segment_prefix, ppl_scored=args.segment_scored)
+    seg = SegmentSettings(**sizes, segments=tuple(x.strip() for x in args.segments.split(",") if x.strip()))
     set_total(seg.ppl_scored * len(seg.segments))
     run_segments(model, tokenizer, text, seg, [by_name[n] for n in names], results, save=save,
                  progress=progress)

@@ -10,7 +10,9 @@ NLLs are natural-log nats per token, computed in float32.
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
 import mlx.core as mx
@@ -18,7 +20,29 @@ import mlx.core as mx
 from qfilters_mlx.evaluation.multi_arm import batch_caches
 from qfilters_mlx.filters.observe import observe_queries
 
-__all__ = ["batched_streaming_nll", "full_cache_nll", "perplexity", "streaming_nll"]
+__all__ = ["PerplexitySizes", "batched_streaming_nll", "full_cache_nll", "perplexity", "streaming_nll"]
+
+
+@dataclass(frozen=True)
+class PerplexitySizes:
+    """Sizes every streaming-perplexity run shares (the evaluation's and the segments');
+    budgets and prefix/scored lengths in tokens."""
+
+    budgets: tuple = (64, 128, 256, 512)
+    n_sink: int = 4
+    calib_tokens: int = 128
+    seed: int = 0
+    backend: str = "auto"
+    ppl_prefix: int = 128
+    ppl_scored: int = 2048
+
+    def to_json(self) -> dict:
+        """The settings as they read back from a JSON file (tuples become lists)."""
+        return json.loads(json.dumps(asdict(self)))
+
+    def shared(self) -> dict:
+        """The :class:`PerplexitySizes` fields of this (sub)class instance, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(PerplexitySizes)}
 
 
 def streaming_nll(model, tokens, caches, prefix: int = 16) -> list[float]:

@@ -25,7 +25,7 @@ from typing import Callable
 import mlx.core as mx
 
 from qfilters_mlx.evaluation.multi_arm import batch_caches
-from qfilters_mlx.evaluation.retrieval import batched_greedy, pass_key, retrieval_chat
+from qfilters_mlx.evaluation.retrieval import batched_greedy, greedy_tokens, pass_key, retrieval_chat
 
 __all__ = ["ProtocolSettings", "protocol_arms", "protocols_markdown", "run_protocols", "split_chat"]
 
@@ -89,14 +89,7 @@ def _row(method, filters, config, n_layers):
 def _continue_greedy(model, caches, tokens: list[int], rows: int, max_tokens: int) -> list[list[int]]:
     """Feed ``tokens`` to every row in one call, then ``max_tokens`` greedy tokens per row."""
     logits = model(mx.broadcast_to(mx.array(tokens)[None], (rows, len(tokens))), cache=caches)[:, -1]
-    out = []
-    for i in range(max_tokens):
-        nxt = mx.argmax(logits, axis=-1)
-        out.append(nxt)
-        if i + 1 < max_tokens:
-            logits = model(nxt[:, None], cache=caches)[:, -1]
-            mx.eval(logits)
-    return mx.stack(out, axis=1).tolist()
+    return greedy_tokens(model, caches, logits, max_tokens)
 
 
 def run_protocols(model, tokenizer, text: str, settings: ProtocolSettings, results: dict, filters=None,

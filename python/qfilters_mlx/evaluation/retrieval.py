@@ -19,7 +19,7 @@ from qfilters_mlx.assets.prompts import INSTRUCTION, QUESTION
 from qfilters_mlx.evaluation.multi_arm import batch_caches
 from qfilters_mlx.filters.observe import observe_queries
 
-__all__ = ["NEEDLE", "batched_greedy", "pass_key", "retrieval_chat", "retrieval_prompt"]
+__all__ = ["NEEDLE", "batched_greedy", "greedy_tokens", "pass_key", "retrieval_chat", "retrieval_prompt"]
 
 NEEDLE = "The secret pass key is {key}. Remember it."
 
@@ -85,17 +85,23 @@ def batched_greedy(model, prompt: list[int], rows: list[list], max_tokens: int, 
     caches = batch_caches(rows)
     toks = mx.broadcast_to(mx.array(prompt)[None], (B, len(prompt)))
     logits = None
-    out = []
     with observe_queries(model, caches):  # for query-based filters
         for s in range(0, len(prompt), chunk):
             logits = model(toks[:, s : s + chunk], cache=caches)[:, -1]
             mx.eval(logits)
             if on_call is not None:
                 on_call(1)
-        for i in range(max_tokens):
-            nxt = mx.argmax(logits, axis=-1)
-            out.append(nxt)
-            if i + 1 < max_tokens:
-                logits = model(nxt[:, None], cache=caches)[:, -1]
-                mx.eval(logits)
+        return greedy_tokens(model, caches, logits, max_tokens)
+
+
+def greedy_tokens(model, caches, logits: mx.array, max_tokens: int) -> list[list[int]]:
+    """``max_tokens`` greedy token ids per row, the first the argmax of ``logits``
+    ``[B, vocab]`` (the last fed position's), each next one fed through ``caches``."""
+    out = []
+    for i in range(max_tokens):
+        nxt = mx.argmax(logits, axis=-1)
+        out.append(nxt)
+        if i + 1 < max_tokens:
+            logits = model(nxt[:, None], cache=caches)[:, -1]
+            mx.eval(logits)
     return mx.stack(out, axis=1).tolist()

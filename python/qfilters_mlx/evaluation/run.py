@@ -10,16 +10,15 @@ model and text, save and print (``qfilters_mlx.commands.eval``).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from qfilters_mlx.evaluation.arms import Arm, default_arms, expand, retrieval_arms
-from qfilters_mlx.evaluation.perplexity import batched_streaming_nll, full_cache_nll, perplexity
+from qfilters_mlx.evaluation.perplexity import PerplexitySizes, batched_streaming_nll, full_cache_nll, perplexity
 from qfilters_mlx.evaluation.retrieval import batched_greedy, pass_key, retrieval_prompt
 from qfilters_mlx.evaluation.score_quality import score_quality
 from qfilters_mlx.model_info import model_head_dim
@@ -28,16 +27,9 @@ __all__ = ["EvalSettings", "check_quick", "run_evaluation"]
 
 
 @dataclass(frozen=True)
-class EvalSettings:
+class EvalSettings(PerplexitySizes):
     """Sizes of one evaluation run (``quick()`` for CI, ``full()`` for the issue-5 protocol)."""
 
-    budgets: tuple = (64, 128, 256, 512)
-    n_sink: int = 4
-    calib_tokens: int = 128
-    seed: int = 0
-    backend: str = "auto"
-    ppl_prefix: int = 128
-    ppl_scored: int = 2048
     check_budget: int | None = None  # extra budget >= length where every arm must equal full
     retrieval_contexts: tuple = (1024, 2048, 4096)
     # Retrieval prefills every prompt in 64-token chunks through one batch row per
@@ -62,10 +54,6 @@ class EvalSettings:
         return cls(budgets=(32,), retrieval_budgets=(32,), calib_tokens=16, ppl_prefix=16,
                    ppl_scored=112, check_budget=256, retrieval_contexts=(256,), retrieval_depths=(0.5,), retrieval_answer_tokens=12,
                    retrieval_chunk=32, sq_tokens=160, sq_cached=(96,), sq_window=32, quick=True)
-
-    def to_json(self) -> dict:
-        """The settings as they read back from a JSON file (tuples become lists)."""
-        return json.loads(json.dumps(asdict(self)))
 
 
 def _row_caches(arm: Arm, config, n_layers: int) -> list:

@@ -13,10 +13,10 @@ of different budgets), so a segment costs one token-by-token pass.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from qfilters_mlx.evaluation.arms import Arm, expand
-from qfilters_mlx.evaluation.perplexity import batched_streaming_nll, full_cache_nll, perplexity
+from qfilters_mlx.evaluation.perplexity import PerplexitySizes, batched_streaming_nll, full_cache_nll, perplexity
 
 __all__ = ["SEGMENT_B_OFFSET", "SegmentSettings", "run_segments", "segment_tokens"]
 
@@ -27,20 +27,10 @@ SEGMENT_B_CHARS = 40_000
 
 
 @dataclass(frozen=True)
-class SegmentSettings:
-    """Sizes of the two-segment perplexity run."""
+class SegmentSettings(PerplexitySizes):
+    """Sizes of the two-segment perplexity run: the shared sizes and the segments run."""
 
-    budgets: tuple = (64, 128, 256, 512)
-    n_sink: int = 4
-    calib_tokens: int = 128
-    seed: int = 0
-    backend: str = "auto"
-    ppl_prefix: int = 128
-    ppl_scored: int = 2048
     segments: tuple = ("A", "B")
-
-    def to_json(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def segment_tokens(tokenizer, text: str, segment: str, n: int) -> tuple[list[int], list[int]]:

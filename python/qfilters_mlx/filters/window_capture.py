@@ -1,4 +1,4 @@
-"""Keys and queries of every budgeted layer over calibration text, for
+"""Keys, queries and values of every budgeted layer over calibration text, for
 :func:`qfilters_mlx.filters.windows.calibrate_windows` (one forward pass per chunk,
 fresh caches of the model's own kind, so RoPE positions restart per chunk)."""
 
@@ -13,7 +13,8 @@ from qfilters_mlx.model_info import budgeted_slots, default_caches, model_dims, 
 
 def keys_and_queries(model, token_chunks):
     """Yield, per chunk, a list over budgeted layers of ``(keys [H_kv, T, D],
-    queries [H_q, T, D])`` float32 numpy arrays (post-RoPE, batch row 0).
+    queries [H_q, T, D], values [H_kv, T, D_v])`` float32 numpy arrays (post-RoPE keys and
+    queries, batch row 0; the values are what the layer's cache holds after the pass).
 
     Raises:
         QueriesNotCaptured: some layer delivered no queries (named).
@@ -34,4 +35,5 @@ def keys_and_queries(model, token_chunks):
         missing.update({i: "no update_and_fetch call" for i, g in enumerate(got) if g is None and i not in missing})
         if missing:
             raise QueriesNotCaptured(f"calibrate: no post-RoPE queries for {describe_layers(missing)}", missing)
-        yield [(np.array(k), np.array(q)) for k, q in got]
+        values = [slot[p].state[1][0, :, : len(chunk)].astype(mx.float32) for p in paths]
+        yield [(np.array(k), np.array(q), np.array(v)) for (k, q), v in zip(got, values)]
