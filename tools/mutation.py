@@ -64,8 +64,16 @@ for name in ("numpy", "mlx.core", "mlx.nn", "mlx_lm.models.cache", "mlx_lm.model
 # Appended to the scratch copy's tests/conftest.py. mutmut stops at the first failing
 # test (-x), so run the tests that killed the most mutants so far first, then the
 # fastest (durations from mutmut's stats run); each failure under a mutant is
-# counted in WORKDIR/kills.txt.
+# counted in WORKDIR/kills.txt. Hypothesis does not shrink.
 TEST_ORDER = '''
+
+# A mutant needs one failing example, not the smallest: no shrinking (it cost minutes
+# and ran mutants into mutmut's timeout).
+import hypothesis as _hypothesis
+
+_hypothesis.settings.register_profile("mutation", phases=[
+    _hypothesis.Phase.explicit, _hypothesis.Phase.reuse, _hypothesis.Phase.generate])
+_hypothesis.settings.load_profile("mutation")
 
 def _mutation_files():
     from pathlib import Path
@@ -113,6 +121,8 @@ def prepare(workdir: Path, modules, tests, deselect) -> None:
         f"pytest_add_cli_args_test_selection = {toml_list(tests)}\n"
         f"pytest_add_cli_args = {toml_list(['-p', 'no:cacheprovider', '-q'] + [x for d in deselect for x in ('--deselect', d)])}\n"
         "mutate_only_covered_lines = true\n"
+        # CPU limit (estimated test time + 3 s) * 10, wall limit half that
+        "timeout_multiplier = 5.0\ntimeout_constant = 3.0\n"
         # MLX's thread pools do not survive a fork of a process that ran them, so
         # pytest's collection (which runs MLX) cannot warm the fork server; importing
         # MLX, hypothesis and the package without running them can (saves ~3 s a mutant).
