@@ -43,6 +43,9 @@ MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/scorers.py",
 TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_step.py",
          "tests/test_cache_oracle.py", "tests/test_properties.py", "tests/test_cache_round_trip.py",
          "tests/test_rewind.py", "tests/test_exact_rules.py"]
+# Tests that mutmut's run leaves out but that cover the mutated code: run against its
+# survivors only (``--recheck``), with the --deselect tests.
+RECHECK_TESTS = ["tests/test_query_filters.py", "tests/test_observe_paths.py"]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
 DESELECT = ["tests/test_rewind.py::test_speculative_kept_sets_equal_the_replay_up_to_key_ulps",
@@ -94,6 +97,46 @@ def pytest_runtest_logreport(report):
     if report.failed and "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", ""):
         with open(_mutation_files()[1], "a") as f:
             f.write(report.nodeid + "\\n")
+'''
+
+
+# Re-checks the survivors of a run (``--recheck``) with tests mutmut's run left out:
+# a process that imported everything forks one child per survivor, which runs the
+# tests under that mutant (mutmut's trampolines read MUTANT_UNDER_TEST at call time).
+RECHECK = '''
+import json, os, sys
+sys.path.append(sys.argv[1])
+os.chdir(sys.argv[2])
+sys.path.insert(0, os.path.join(sys.argv[2], "src"))
+import _qf_mutation_preload  # noqa: F401  (MLX imported, not run: fork-safe)
+import pytest
+tests, survivors = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+out = {}
+for name in survivors:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+        os.environ["MUTANT_UNDER_TEST"] = name
+        class First:
+            failed = ""
+            def pytest_runtest_logreport(self, report):
+                if report.failed and not self.failed:
+                    self.failed = report.nodeid
+        first = First()
+        code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--rootdir=.", *tests], plugins=[first])
+        os.write(w, json.dumps([int(code), first.failed]).encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.waitpid(pid, 0)
+    code, failed = json.loads(data or b"[-1, \\"\\"]")
+    out[name] = {"exit_code": code, "killed_by": failed}
+    print(name, code, failed, flush=True)
+print("RESULT " + json.dumps(out))
 '''
 
 
@@ -155,6 +198,50 @@ def mutmut(args, mutmut_path: str, workdir: Path, env, log: Path | None = None):
         return subprocess.run(cmd, cwd=workdir, env=env, text=True, stdout=f, stderr=subprocess.STDOUT)
 
 
+TIMEOUT_CODES = (24, -24, 152, 255, 36)  # mutmut's "timeout" exit codes
+
+
+def mutants_with(workdir: Path, codes) -> list[str]:
+    """Names of the mutants whose exit code in mutmut's .meta files is in ``codes``."""
+    names = []
+    for meta in sorted((workdir / "mutants").rglob("*.py.meta")):
+        found = json.loads(meta.read_text())["exit_code_by_key"]
+        names += [k for k, code in sorted(found.items()) if code in codes]
+    return names
+
+
+def recheck(workdir: Path, tests, full_tests, mutmut_path: str, env) -> int:
+    """Run ``tests`` against every survivor of mutmut's run and ``full_tests`` against
+    every mutant it timed out (on a loaded machine a timeout can be starvation, not a
+    hang); write ``WORKDIR/recheck.json`` ``{mutant: {"exit_code", "killed_by", "tests"}}``
+    (exit code 1 and the first failing test: killed)."""
+    copy_tests(workdir)
+    (workdir / "mutants" / "tests").mkdir(exist_ok=True)
+    shutil.copytree(workdir / "tests", workdir / "mutants" / "tests", dirs_exist_ok=True)
+    result = {}
+    for group, names in (("survivors", mutants_with(workdir, (0,))),
+                         ("timeouts", mutants_with(workdir, TIMEOUT_CODES))):
+        group_tests = list(tests) if group == "survivors" else list(full_tests)
+        cmd = ["nice", "-n", "19", sys.executable, "-c", RECHECK, mutmut_path,
+               str(workdir / "mutants"), json.dumps(group_tests), json.dumps(names)]
+        run = subprocess.run(cmd, env=env, text=True, capture_output=True)
+        (workdir / f"recheck-{group}.log").write_text(run.stdout + run.stderr)
+        lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+        if not lines:
+            print(run.stdout[-3000:], run.stderr[-3000:], sep="\n")
+            return 1
+        part = json.loads(lines[-1][len("RESULT "):])
+        for v in part.values():
+            v["tests"] = group
+        result.update(part)
+        killed = [k for k, v in part.items() if v["exit_code"] == 1]
+        print(f"{group}: {len(killed)} of {len(part)} killed by {' '.join(group_tests)}")
+    (workdir / "recheck.json").write_text(json.dumps(result, indent=1))
+    for k, v in sorted(result.items()):
+        print(("killed by " + v["killed_by"]) if v["exit_code"] == 1 else f"survives (exit {v['exit_code']})", k)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modules", nargs="+", default=MODULES, help="paths under python/qfilters_mlx")
@@ -168,6 +255,10 @@ def main() -> int:
     p.add_argument("--only", nargs="*", default=[],
                    help="mutant name patterns (fnmatch), e.g. 'qfilters_mlx.backends.reference.x_select_keep*'")
     p.add_argument("--resume", action="store_true", help="keep the work dir and the results already there")
+    p.add_argument("--recheck", nargs="*", default=None, metavar="TEST",
+                   help="no mutmut run: re-run each survivor of the work dir's run against these "
+                        "tests (default: the --deselect tests and tests/test_exact_rules.py); "
+                        "results in WORKDIR/recheck.json")
     a = p.parse_args()
     workdir = Path(a.workdir)
     if not (a.resume and workdir.exists()):
@@ -175,6 +266,9 @@ def main() -> int:
     else:
         copy_tests(workdir)  # new tests count; the configuration stays as prepared
     env = dict(os.environ, QF_TEST_EXAMPLES_SCALE=a.examples_scale, PYTHONPATH="")
+    if a.recheck is not None:
+        extra = a.recheck or [*a.deselect, *RECHECK_TESTS]
+        return recheck(workdir, extra, [*a.tests, *extra], a.mutmut_path, env)
     mutmut(["run", "--max-children", str(a.max_children), *a.only], a.mutmut_path, workdir, env,
            log=workdir / "run.log")
     mutmut(["export-cicd-stats"], a.mutmut_path, workdir, env)
