@@ -163,3 +163,46 @@ def test_to_quantized_defaults_are_mlx_lm_defaults():
     c.observe_queries(mx.ones((1, 4, 6, 64)))
     qc = c.to_quantized()
     assert (qc.group_size, qc.bits) == (defaults["group_size"].default, defaults["bits"].default)
+
+
+def test_random_scores_are_the_documented_hash_in_unit_interval():
+    """README's random arm: (hash >> 8) / 2**24, uniform in [0, 1) (test_properties' numpy hash)."""
+    from qfilters_mlx.cache.scorers import random_scores
+    from test_properties import np_random_scores
+
+    for H, T, seed, layer in [(2, 50, 0, 0), (3, 40, 7, 5), (1, 300, 123456, 31)]:
+        pos = mx.broadcast_to(mx.arange(T, dtype=mx.int64)[None, None], (2, H, T))
+        got = np.array(random_scores(pos, seed, layer))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.broadcast_to(np_random_scores(H, T, seed, layer), (2, H, T)))
+        assert got.min() >= 0 and got.max() < 1 and got.max() > 0.9  # the whole unit interval
+
+
+def test_projection_scores_default_sign_is_plus_one_and_filters_name_in_errors():
+    rng = np.random.default_rng(8)
+    k = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    f = rng.standard_normal((3, 4)).astype(np.float32)
+    exp = np.einsum("bhtd,hd->bht", k.astype(np.float64), f.astype(np.float64))
+    np.testing.assert_allclose(np.array(ref.projection_scores(mx.array(k), mx.array(f))), exp, rtol=1e-5, atol=1e-6)
+    for call, exc, msg in [
+        (lambda: ref.estimate_filter_from_keys(mx.zeros((2, 3, 4))), ValueError,
+         r"^keys must have 4 dimensions, got shape \(2, 3, 4\)$"),
+        (lambda: ref.estimate_filter_from_keys(np.zeros((1, 2, 3, 4))), TypeError,
+         r"^keys must be an mx.array, got ndarray$"),
+    ]:
+        with pytest.raises(exc, match=msg):
+            call()
+
+
+def test_key_filter_equals_numpy_for_one_head_and_one_token():
+    """Edge shapes of the orientation (a single head, a single key row): numpy SVD, mean
+    projection positive."""
+    rng = np.random.default_rng(9)
+    for B, H, T in [(1, 1, 6), (1, 3, 1), (2, 1, 1)]:
+        keys = (rng.standard_normal((B, H, T, 8)) + 0.5).astype(np.float32)
+        f = np.array(ref.estimate_filter_from_keys(mx.array(keys)))
+        assert f.shape == (H, 8)
+        for h in range(H):
+            x = keys[:, h].reshape(-1, 8).astype(np.float64)
+            v = np.linalg.svd(x)[2][0]
+            np.testing.assert_allclose(f[h], v if (x @ v).mean() > 0 else -v, atol=2e-5)
