@@ -206,3 +206,42 @@ def test_key_filter_equals_numpy_for_one_head_and_one_token():
             x = keys[:, h].reshape(-1, 8).astype(np.float64)
             v = np.linalg.svd(x)[2][0]
             np.testing.assert_allclose(f[h], v if (x @ v).mean() > 0 else -v, atol=2e-5)
+
+
+def test_filter_orientation_on_an_exactly_zero_mean_uses_the_largest_component():
+    """Module docstring: if the keys' mean projection is exactly zero, the filter is
+    oriented so that its largest-magnitude component is positive. Rows {a, -a} have a
+    mean projection of exactly 0 whatever the SVD's sign."""
+    rng = np.random.default_rng(10)
+    for _ in range(8):
+        a = rng.standard_normal((3, 6)).astype(np.float32)  # one row per head
+        keys = np.stack([a, -a], axis=1)[None]  # [1, 3, 2, 6]
+        f = np.array(ref.estimate_filter_from_keys(mx.array(keys)))
+        u = a / np.linalg.norm(a, axis=-1, keepdims=True)
+        peak = np.take_along_axis(u, np.abs(u).argmax(axis=-1)[:, None], axis=-1)
+        np.testing.assert_allclose(f, u * np.sign(peak), atol=1e-5)
+
+
+def test_trim_into_the_calibrating_call_replays_its_queries():
+    """A rewind that ends inside the call whose queries froze the filter re-applies that
+    call's head with its queries: the cache equals one that never saw the trimmed tokens."""
+    rng = np.random.default_rng(11)
+    k = mx.array(rng.standard_normal((1, 2, 10, 8)).astype(np.float32))
+    q = mx.array((rng.standard_normal((1, 4, 10, 8)) + 0.7).astype(np.float32))
+
+    def run(lengths):
+        c = query_cache(budget=6, calib=8, qfilters_max_rewind=4)
+        start = 0
+        for L in lengths:
+            c.update_and_fetch(k[:, :, start:start + L], k[:, :, start:start + L])
+            c.observe_queries(q[:, :, start:start + L])
+            start += L
+        return c
+
+    c = run([6, 4])  # the second call crosses calib_tokens: calibrates and evicts
+    assert c.trim(1) == 1
+    want = run([6, 3])
+    assert c.filter is not None and want.filter is not None
+    np.testing.assert_array_equal(np.array(c.filter), np.array(want.filter))
+    np.testing.assert_array_equal(np.array(c.kept_positions()), np.array(want.kept_positions()))
+    assert c.offset == want.offset == 9 and c.size() == want.size() == 6

@@ -43,9 +43,9 @@ MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/scorers.py",
 TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_step.py",
          "tests/test_cache_oracle.py", "tests/test_properties.py", "tests/test_cache_round_trip.py",
          "tests/test_rewind.py", "tests/test_exact_rules.py"]
-# Tests that mutmut's run leaves out but that cover the mutated code: run against its
-# survivors only (``--recheck``), with the --deselect tests.
-RECHECK_TESTS = ["tests/test_query_filters.py", "tests/test_observe_paths.py"]
+# Tests run against the survivors of mutmut's run (``--recheck``): the tests written
+# for them (they are in TESTS too: a fresh run counts them as kills directly).
+RECHECK_TESTS = ["tests/test_exact_rules.py"]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
 DESELECT = ["tests/test_rewind.py::test_speculative_kept_sets_equal_the_replay_up_to_key_ulps",
@@ -267,7 +267,7 @@ def main() -> int:
         copy_tests(workdir)  # new tests count; the configuration stays as prepared
     env = dict(os.environ, QF_TEST_EXAMPLES_SCALE=a.examples_scale, PYTHONPATH="")
     if a.recheck is not None:
-        extra = a.recheck or [*a.deselect, *RECHECK_TESTS]
+        extra = a.recheck or RECHECK_TESTS
         return recheck(workdir, extra, [*a.tests, *extra], a.mutmut_path, env)
     mutmut(["run", "--max-children", str(a.max_children), *a.only], a.mutmut_path, workdir, env,
            log=workdir / "run.log")
