@@ -245,3 +245,14 @@ def test_trim_into_the_calibrating_call_replays_its_queries():
     np.testing.assert_array_equal(np.array(c.filter), np.array(want.filter))
     np.testing.assert_array_equal(np.array(c.kept_positions()), np.array(want.kept_positions()))
     assert c.offset == want.offset == 9 and c.size() == want.size() == 6
+
+
+def test_each_head_is_oriented_by_its_own_keys_even_with_one_row():
+    """Orientation is per head: a single key row per head, opposite on two heads."""
+    rng = np.random.default_rng(12)
+    for _ in range(4):
+        a = (rng.standard_normal(8) + 0.2).astype(np.float32)
+        keys = np.stack([a, -a, 2 * a])[None, :, None, :]  # [1, 3, 1, 8]
+        f = np.array(ref.estimate_filter_from_keys(mx.array(keys)))
+        u = a / np.linalg.norm(a)
+        np.testing.assert_allclose(f, np.stack([u, -u, u]), atol=1e-5)
