@@ -54,7 +54,14 @@ def main() -> int:
     a = p.parse_args()
     work = Path(a.workdir)
     recheck_path = work / "recheck.json"
-    recheck = json.loads(recheck_path.read_text()) if recheck_path.exists() else {}
+    recheck = {}
+    for log in sorted(work.glob("recheck-*.log")):  # one line per mutant, also of a cut-short recheck
+        for line in log.read_text().splitlines():
+            parts = line.split(" ")
+            if "__mutmut_" in parts[0] and len(parts) >= 2 and parts[1].lstrip("-").isdigit():
+                recheck[parts[0]] = {"exit_code": int(parts[1]), "killed_by": " ".join(parts[2:])}
+    if recheck_path.exists():
+        recheck.update(json.loads(recheck_path.read_text()))
     equivalents = json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())
     modules, survivors = {}, []
     for meta in sorted((work / "mutants" / "src").rglob("*.py.meta")):
