@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["captured_mass", "kept_mask", "output_error", "sample_times"]
+__all__ = ["captured_mass", "kept_mask", "measure_windows", "output_error", "sample_times"]
 
 
 def sample_times(T: int, budget: int, n: int) -> np.ndarray:
@@ -61,8 +61,10 @@ def _probs(q: np.ndarray, k: np.ndarray, t: int) -> np.ndarray:
     return p / p.sum(-1, keepdims=True)
 
 
-def captured_mass(keys, queries, scores, budget: int, n_sink: int, grid, times) -> np.ndarray:
-    """Mean attention mass captured per candidate window and head.
+def measure_windows(keys, queries, scores, budget: int, n_sink: int, grid, times,
+                    values=None) -> dict[str, np.ndarray]:
+    """Both measures of every candidate window and head, from one pass over ``times``
+    (the attention weights and the kept set of each ``(t, r)`` are computed once).
 
     Args:
         keys: ``[H, T, D]`` post-RoPE keys of one layer (one sequence).
@@ -71,38 +73,37 @@ def captured_mass(keys, queries, scores, budget: int, n_sink: int, grid, times) 
         budget, n_sink: the cache's.
         grid: candidate windows (each ``<= budget - n_sink``).
         times: query positions ``t`` (each ``> budget``).
+        values: ``[H, T, D_v]`` values of the same layer, or ``None`` (no output error).
 
     Returns:
-        ``[len(grid), H]`` float64, mean over ``times`` and the group's query heads.
+        ``{"mass": [len(grid), H]}`` (plus ``"output"`` when ``values`` are given),
+        float64, mean over ``times`` and the group's query heads: the captured attention
+        mass, and ``|| o_kept - o_full ||^2`` in units of the values squared.
     """
     k, q, s = (np.asarray(x, np.float64) for x in (keys, queries, scores))
-    out = np.zeros((len(grid), k.shape[0]))
+    v = None if values is None else np.asarray(values, np.float64)
+    out = {name: np.zeros((len(grid), k.shape[0])) for name in (("mass",) if v is None else ("mass", "output"))}
     for t in times:
-        p = _probs(q, k, t).mean(1)  # mass is linear in p
+        p = _probs(q, k, t)  # [H, G, t+1]
+        if v is not None:
+            vt = v[:, : t + 1]
+            full = np.einsum("hgs,hsd->hgd", p, vt)
         for i, r in enumerate(grid):
-            out[i] += (p * kept_mask(s, t, budget, n_sink, r)).sum(-1)
-    return out / max(len(times), 1)
+            pk = p * kept_mask(s, t, budget, n_sink, r)[:, None]
+            kept_mass = pk.sum(-1)  # [H, G]
+            out["mass"][i] += kept_mass.mean(-1)  # mass is linear in p
+            if v is not None:
+                kept = np.einsum("hgs,hsd->hgd", pk, vt) / kept_mass[..., None]
+                out["output"][i] += ((kept - full) ** 2).sum(-1).mean(-1)
+    return {name: m / max(len(times), 1) for name, m in out.items()}
+
+
+def captured_mass(keys, queries, scores, budget: int, n_sink: int, grid, times) -> np.ndarray:
+    """The ``"mass"`` of :func:`measure_windows`: ``[len(grid), H]`` mean captured attention mass."""
+    return measure_windows(keys, queries, scores, budget, n_sink, grid, times)["mass"]
 
 
 def output_error(keys, queries, values, scores, budget: int, n_sink: int, grid, times) -> np.ndarray:
-    """Mean squared attention-output error per candidate window and head.
-
-    Args:
-        keys, queries, scores, budget, n_sink, grid, times: as :func:`captured_mass`.
-        values: ``[H, T, D_v]`` values of the same layer.
-
-    Returns:
-        ``[len(grid), H]`` float64: ``|| o_kept - o_full ||^2`` (units of the values
-        squared), mean over ``times`` and the group's query heads.
-    """
-    k, q, v, s = (np.asarray(x, np.float64) for x in (keys, queries, values, scores))
-    out = np.zeros((len(grid), k.shape[0]))
-    for t in times:
-        p = _probs(q, k, t)  # [H, G, t+1]
-        vt = v[:, : t + 1]
-        full = np.einsum("hgs,hsd->hgd", p, vt)
-        for i, r in enumerate(grid):
-            pk = p * kept_mask(s, t, budget, n_sink, r)[:, None]
-            kept = np.einsum("hgs,hsd->hgd", pk, vt) / pk.sum(-1, keepdims=True)
-            out[i] += ((kept - full) ** 2).sum(-1).mean(-1)
-    return out / max(len(times), 1)
+    """The ``"output"`` of :func:`measure_windows`: ``[len(grid), H]`` mean squared
+    attention-output error (``values``: ``[H, T, D_v]``)."""
+    return measure_windows(keys, queries, scores, budget, n_sink, grid, times, values=values)["output"]

@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from qfilters_mlx.filters.window_measures import captured_mass, output_error, sample_times
+from qfilters_mlx.filters.window_measures import measure_windows, sample_times
 
 WINDOW_BUDGETS = (64, 128, 256, 512)
 WINDOW_FRACTIONS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
@@ -100,9 +100,8 @@ def calibrate_windows(layer_data, filters, n_sink: int = 4, budgets=WINDOW_BUDGE
             for b in budgets:
                 times = sample_times(T, b, n_times)
                 if len(times):
-                    acc["mass", b][:, layer] += captured_mass(k, qg, s, b, n_sink, grids[b], times)
-                    if v is not None:
-                        acc["output", b][:, layer] += output_error(k, qg, v, s, b, n_sink, grids[b], times)
+                    for name, m in measure_windows(k, qg, s, b, n_sink, grids[b], times, values=v).items():
+                        acc[name, b][:, layer] += m
                     seen[b] += layer == 0
     windows, summary = [], {}
     for b in budgets:
