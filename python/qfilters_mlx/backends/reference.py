@@ -167,7 +167,7 @@ def _ordered_scores(scores: mx.array) -> mx.array:
 
 
 def _key_max() -> mx.array:
-    """The largest uint64 rank key (for forced or excluded positions); built per call,
+    """The largest uint64 rank key (for forced positions); built per call,
     no module-level arrays."""
     return (mx.array(0xFFFFFFFF, mx.uint32).astype(mx.uint64) << 32) | 0xFFFFFFFF
 
@@ -299,11 +299,12 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
     scores = mx.put_along_axis(scores, idx, s_new, axis=2)
     positions = mx.put_along_axis(positions, idx, mx.full(idx.shape, position, dtype=mx.int64), axis=2)
     ordered = _ordered_scores(scores)
-    # ascending key = (score, -position): the minimum is the lowest score, latest position
-    later = (positions - positions.min()).astype(mx.uint64)
-    key = (ordered.astype(mx.uint64) << 32) | (mx.array(0xFFFFFFFF, mx.uint64) - later)
     evictable = (positions >= n_sink) & (positions < position + 1 - recent)
-    victim = mx.argmin(mx.where(evictable, key, _key_max()), axis=-1).astype(mx.int32)
+    # the lowest score among evictable slots (0xFFFFFFFF is above every ordered score),
+    # then the latest int64 position among those slots: exact for any position
+    lowest = mx.where(evictable, ordered, mx.array(0xFFFFFFFF, mx.uint32)).min(axis=-1, keepdims=True)
+    tied = evictable & (ordered == lowest)
+    victim = mx.argmax(mx.where(tied, positions, -1), axis=-1).astype(mx.int32)
     return scores, positions, victim
 
 
