@@ -67,7 +67,9 @@ def insertion_scores(method: str, keys: mx.array, positions, *, filters=None,
     ``qfilters`` needs ``filters`` ``[H, D]`` and uses ``backend.projection_scores``
     when a backend is given (the reference otherwise). A non-finite score (a key
     holding NaN or inf) becomes ``-inf``: such a token is evicted before any
-    finite-scored one, unless it is a sink or in the recent window.
+    finite-scored one, unless it is a sink or in the recent window. With
+    ``finite=False`` the scores are returned as computed (NaN/inf kept), for a caller
+    that maps them itself (the slot cache's ``decode_select``).
     """
     if method in ("qfilters", "l2norm"):
         if method == "qfilters":
