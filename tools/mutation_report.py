@@ -1,15 +1,17 @@
-"""Mutation report: merge a ``tools/mutation.py`` run, its ``--recheck`` and the
-hand-classified equivalent mutants into ``bench/results/mutation.json`` and ``.md``.
+"""Mutation report: merge ``tools/mutation.py`` runs, their ``--recheck`` and the
+hand-classified equivalent mutants into ``bench/results/mutation.json`` and ``mutation.md``.
 
-Usage (after ``python tools/mutation.py ...`` and ``... --resume --recheck``)::
+Usage (after ``python tools/mutation.py ...`` and ``... --resume --recheck`` in each work dir)::
 
-    python tools/mutation_report.py [--workdir /tmp/qfilters-mutation]
+    python tools/mutation_report.py [--workdir /tmp/qfilters-mutation /tmp/qfilters-mutation-mixins]
 
 Per module: mutmut's counts (``killed``, ``survived``, ``timeout``, ``no_tests``,
-``not_checked``), then the final verdicts after the recheck: a survivor or timeout
-killed by a test, or ``equivalent: <reason>`` from ``tools/mutation_equivalents.json``
-(``{mutant name: reason}``), or ``unexplained``. ``score`` is killed / (checked -
-equivalent), checked = every mutant mutmut ran (not "not checked" or "no tests").
+``not_checked``), then the final verdict of every mutant mutmut did not count as killed:
+killed by a test of the recheck (its first failing test), or ``equivalent: <reason>``
+from ``tools/mutation_equivalents.json`` (``{mutant name: reason}``), or ``unexplained``
+(or ``not rechecked``). ``score`` is killed / (checked - equivalent), checked = every
+mutant mutmut ran (not "not checked" or "no tests"). README's table is rendered from the
+JSON by :func:`table` (``tools/readme_results.py``, block ``mutation.json#table``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ import argparse
 import ast
 import difflib
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
+RUNS = {  # work dir -> the command that made it
+    "/tmp/qfilters-mutation": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
+                              "--modules backends/reference.py cache/scorers.py cache/kv_cache.py",
+    "/tmp/qfilters-mutation-mixins": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
+                                     "--workdir /tmp/qfilters-mutation-mixins --max-children 1 "
+                                     "--modules cache/slots.py cache/persistence.py cache/rewind.py",
+}
 
 
 def functions(path: Path) -> dict[str, str]:
@@ -45,25 +54,32 @@ def mutant_diff(funcs: dict[str, str], name: str) -> str:
     return " | ".join(" ".join(x.split()) for x in lines).replace(orig, "def")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", default="/tmp/qfilters-mutation")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "mutation"))
-    p.add_argument("--command", default="python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                   "--modules backends/reference.py cache/scorers.py cache/kv_cache.py")
-    a = p.parse_args()
-    work = Path(a.workdir)
-    recheck_path = work / "recheck.json"
-    recheck = {}
-    for log in sorted(work.glob("recheck-*.log")):  # one line per mutant, also of a cut-short recheck
+def rechecks(work: Path) -> dict:
+    """``{mutant: {"exit_code", "killed_by"}}`` from the recheck logs (also cut-short ones),
+    recheck.json, and last ``recheck-manual.log`` (a mutant whose forked recheck crashed, re-run
+    alone with pytest under ``MUTANT_UNDER_TEST``: ``NAME EXIT_CODE FIRST_FAILING_TEST`` per line)."""
+    def read(log: Path) -> dict:
+        found = {}
         for line in log.read_text().splitlines():
             parts = line.split(" ")
             if "__mutmut_" in parts[0] and len(parts) >= 2 and parts[1].lstrip("-").isdigit():
-                recheck[parts[0]] = {"exit_code": int(parts[1]), "killed_by": " ".join(parts[2:])}
-    if recheck_path.exists():
-        recheck.update(json.loads(recheck_path.read_text()))
-    equivalents = json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())
-    modules, survivors = {}, []
+                found[parts[0]] = {"exit_code": int(parts[1]), "killed_by": " ".join(parts[2:])}
+        return found
+
+    found = {}
+    for log in sorted(work.glob("recheck-*.log")):
+        if log.name != "recheck-manual.log":
+            found.update(read(log))
+    if (work / "recheck.json").exists():
+        found.update(json.loads((work / "recheck.json").read_text()))
+    if (work / "recheck-manual.log").exists():  # mutants re-run one at a time by hand (same line format)
+        found.update(read(work / "recheck-manual.log"))
+    return found
+
+
+def verdicts(work: Path, equivalents: dict, modules: dict, survivors: list) -> None:
+    """Add the modules of one work dir to ``modules`` and its non-killed mutants to ``survivors``."""
+    recheck = rechecks(work)
     for meta in sorted((work / "mutants" / "src").rglob("*.py.meta")):
         module = str(meta.relative_to(work / "mutants" / "src" / "qfilters_mlx"))[: -len(".meta")]
         codes = json.loads(meta.read_text())["exit_code_by_key"]
@@ -72,11 +88,14 @@ def main() -> int:
         final = Counter()
         for name, code in sorted(codes.items()):
             status = STATUS.get(code, "suspicious")
-            if status in ("not_checked", "no_tests", "skipped", "killed"):
+            if status in ("not_checked", "skipped", "killed"):
                 final[status] += 1
                 continue
             r = recheck.get(name)
-            if r and r["exit_code"] == 1:
+            if status == "no_tests" and name not in equivalents:
+                final[status] += 1
+                verdict = "no tests"
+            elif r and r["exit_code"] == 1:
                 verdict = "killed by " + r["killed_by"]
                 final["killed"] += 1
             elif name in equivalents:
@@ -88,26 +107,65 @@ def main() -> int:
             survivors.append({"mutant": name, "module": module, "mutmut": status,
                               "diff": mutant_diff(funcs, name), "status": verdict})
         checked = sum(v for k, v in raw.items() if k not in ("not_checked", "no_tests", "skipped"))
-        denom = checked - final["equivalent"]
         modules[module] = {
             "total": len(codes), "mutmut": dict(raw),
             "mutmut_score": round((raw["killed"] + raw["timeout"]) / max(checked, 1), 4),
             "final": dict(final), "checked": checked,
-            "score": round(final["killed"] / max(denom, 1), 4),
+            "score": round(final["killed"] / max(checked - final["equivalent"], 1), 4),
         }
-    out = {"command": a.command, "recheck": a.command + " --resume --recheck",
-           "score": "killed / (checked - equivalent); checked: mutants mutmut ran",
-           "modules": modules, "survivors": survivors}
-    Path(a.out + ".json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
-    rows = ["| module | mutants | checked | killed | equivalent | unexplained | not checked | score |",
-            "|---|---|---|---|---|---|---|---|"]
-    for m, s in modules.items():
+
+
+def table(results: dict) -> str:
+    """README/markdown table of the per-module scores in ``results`` (mutation.json)."""
+    rows = ["| module | mutants | checked | killed | equivalent | unexplained | not checked / no tests "
+            "| mutmut's score | score |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, s in results["modules"].items():
         f = s["final"]
         rows.append(f"| {m} | {s['total']} | {s['checked']} | {f.get('killed', 0)} | {f.get('equivalent', 0)} "
                     f"| {f.get('unexplained', 0) + f.get('not_rechecked', 0)} "
-                    f"| {f.get('not_checked', 0) + f.get('no_tests', 0)} | {100 * s['score']:.1f}% |")
-    print("\n".join(rows))
-    Path(a.out + ".table.md").write_text("\n".join(rows) + "\n")
+                    f"| {f.get('not_checked', 0)} / {f.get('no_tests', 0)} "
+                    f"| {100 * s['mutmut_score']:.1f}% | {100 * s['score']:.1f}% |")
+    return "\n".join(rows) + "\n"
+
+
+def markdown(results: dict) -> str:
+    """The whole report: commands, table, every non-killed mutant's verdict grouped by test / reason."""
+    out = ["# Mutation check (mutmut 3.8.1): the eviction core", "", "Commands (from the repository root):", ""]
+    out += [f"    {c}" for c in results["commands"]]
+    out += ["    python tools/mutation.py ... --resume --recheck   # per work dir: survivors + timeouts",
+            "    python tools/mutation_report.py", "", table(results),
+            "Score = killed / (checked - equivalent); checked = mutants mutmut ran. mutmut's score = "
+            "(killed + timeout) / checked, before the recheck. Below: every mutant mutmut did not count "
+            "as killed (survived, timeout, no tests) and what became of it.", ""]
+    groups = defaultdict(list)
+    for s in results["survivors"]:
+        key = s["status"].split(":")[0] if s["status"].startswith("equivalent") else s["status"]
+        groups[key].append(s)
+    for key in sorted(groups, key=lambda k: (not k.startswith("killed"), k)):
+        out += [f"## {key} ({len(groups[key])})", ""]
+        for s in groups[key]:
+            reason = s["status"][len("equivalent: "):] if key == "equivalent" else ""
+            out.append(f"- `{s['mutant'].split('.', 2)[-1]}` ({s['mutmut']}): `{s['diff'][:200]}`"
+                       + (f" — {reason}" if reason else ""))
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", nargs="+", default=[d for d in RUNS if Path(d).exists()])
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "mutation"))
+    a = p.parse_args()
+    equivalents = json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())
+    modules, survivors = {}, []
+    for work in a.workdir:
+        verdicts(Path(work), equivalents, modules, survivors)
+    results = {"commands": [RUNS.get(w, f"python tools/mutation.py --workdir {w} ...") for w in a.workdir],
+               "score": "killed / (checked - equivalent); checked: mutants mutmut ran",
+               "modules": modules, "survivors": survivors}
+    Path(a.out + ".json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    Path(a.out + ".md").write_text(markdown(results))
+    print(table(results))
     return 0
 
 

@@ -14,7 +14,9 @@ The source after ``#`` names what is rendered:
 - ``eval_*.json#segments``: :func:`qfilters_mlx.evaluation.segment_report.segment_markdown`;
 - ``*.safetensors#windows``: the per-head windows a filters file holds (rule, mean window,
   share of heads at 0 and at ``budget - n_sink``, and the calibration measures of the
-  chosen windows against budget/2 and StreamingLLM, from its ``recent_summary``).
+  chosen windows against budget/2 and StreamingLLM, from its ``recent_summary``);
+- ``mutation.json#table``: the per-module mutation scores (``tools/mutation_report.py``'s
+  :func:`table`).
 
 Usage (from the repository root, the installed package)::
 
@@ -77,6 +79,11 @@ def render(src: str, what: str) -> str:
     if what == "windows":
         return windows_table(path)
     results = json.loads(path.read_text())
+    if what == "table":
+        sys.path.insert(0, str(REPO / "tools"))
+        from mutation_report import table
+
+        return table(results)
     if what == "segments":
         from qfilters_mlx.evaluation.segment_report import segment_markdown
 
