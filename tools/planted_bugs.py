@@ -129,7 +129,7 @@ BUGS: list[dict] = [
          what="update_and_fetch's type check no longer names keys/values",
          old='raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")',
          new='raise TypeError(f"must be an mx.array, got {type(x).__name__}")',
-         tests=["tests/test_exact_rules.py", "tests/test_cache.py"]),
+         tests=["tests/test_cache.py::test_bad_updates_raise_before_state_changes"]),
     dict(name="metal_falls_back_to_reference", kind=5, file="backends/dispatch.py",
          what="backend='metal' without Metal silently gives the reference backend",
          old='    if name == "reference":\n',
@@ -197,7 +197,8 @@ def run_tests(scratch: Path, tests: list[str], timeout: float) -> dict:
     seconds = time.monotonic() - t0
     first = next((m.group(2) for line in out.splitlines() if (m := FAILED.match(line))), None)
     imported = json.loads(probe_out.read_text())["file"] if probe_out.exists() else None
-    return {"rc": rc, "first_failure": first, "imported_from": imported, "seconds": round(seconds, 1),
+    return {"rc": rc, "first_failure": first, "imported_from": imported,
+            "imported_from_scratch": from_scratch(imported, scratch), "seconds": round(seconds, 1),
             "tail": out.strip().splitlines()[-15:]}
 
 
@@ -238,11 +239,22 @@ def write_results(out_dir: Path, report: dict) -> None:
              "Each row: one substitution in a copy of `python/qfilters_mlx` "
              "(`tools/planted_bugs.py`), the named tests run with `pytest -x`.", "",
              f"Control (no substitution, all the tests below): **{c['outcome']}** ({c['seconds']} s, "
-             f"{report['machine']}).", "",
-             "| bug | kind | file | result | caught by |", "|---|---|---|---|---|"]
+             f"{report['machine']}). "
+             + ("Every pytest process imported `qfilters_mlx` from its scratch copy (recorded by a "
+                "probe plugin)." if all(r["imported_from_scratch"] for r in [c, *report["bugs"]])
+                else "**Some runs did not import `qfilters_mlx` from their scratch copy (see the json).**"),
+             "",
+             "| bug | kind | file | result | caught by (first failing test) | each named test alone |",
+             "|---|---|---|---|---|---|"]
     for r in report["bugs"]:
+        alone = r.get("alone")
+        if alone is None:
+            each = "(one test)" if len(r["tests"]) == 1 else "(not run)"
+        else:
+            misses = [t for t, a in alone.items() if a["outcome"] != "caught"]
+            each = "all catch it" if not misses else "missed by " + ", ".join(f"`{t}`" for t in misses)
         lines.append(f"| {r['name']}: {r['what']} | {r['kind']} | `{r['file']}` | {r['outcome']} | "
-                     f"`{r['first_failure'] or '-'}` |")
+                     f"`{r['first_failure'] or '-'}` | {each} |")
     n = sum(r["outcome"] == "caught" for r in report["bugs"])
     lines += ["", f"Caught: {n} of {len(report['bugs'])}.", ""]
     (out_dir / "planted_bugs.md").write_text("\n".join(lines))
@@ -253,6 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these bugs (and the control)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per pytest run (default 300)")
+    ap.add_argument("--no-each", dest="each", action="store_false",
+                    help="skip running each named test alone (by default a bug with several named "
+                         "tests is also run against each one alone, recorded as 'alone')")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (printed)")
     args = ap.parse_args(argv)
     bugs = BUGS if not args.only else [b for b in BUGS if b["name"] in args.only]
@@ -282,6 +297,11 @@ def main(argv=None) -> int:
             res = run_tests(scratch, b["tests"], args.timeout)
             row = {k: b[k] for k in ("name", "kind", "file", "what", "old", "new", "tests")}
             row.update(res, outcome=outcome(res, scratch, control=False))
+            if args.each and len(b["tests"]) > 1:  # does every named test catch it on its own?
+                alone = {t: run_tests(scratch, [t], args.timeout) for t in b["tests"]}
+                row["alone"] = {t: {"outcome": outcome(r, scratch, control=False),
+                                    "first_failure": r["first_failure"], "seconds": r["seconds"]}
+                                for t, r in alone.items()}
             rows.append(row)
             print(f"{b['name']}: {row['outcome']} ({res['seconds']} s) {res['first_failure'] or ''}")
             if row["outcome"] == "error":
