@@ -37,6 +37,10 @@ Usage (from the repository root)::
     python tools/mutation.py --mutmut-path /work/mut-pkgs --resume --recheck
     python tools/mutation_report.py
 
+``--resume`` only continues a run cut short on unchanged code: after editing a mutated
+module or the test selection, start afresh (a resumed run over a changed module once lost
+the stored results of its other functions here).
+
 Prints the mutation score ``(killed + timeout) / (total - skipped)`` and the
 surviving mutants (``mutmut show NAME`` in the work dir shows one's diff); the
 stats are in ``WORKDIR/mutants/mutmut-cicd-stats.json``.
@@ -129,7 +133,8 @@ import _qf_mutation_preload  # noqa: F401  (MLX imported, not run: fork-safe)
 import pytest
 tests, survivors = json.loads(sys.argv[3]), json.loads(sys.argv[4])
 out = {}
-for name in survivors:
+# "" first: the unmutated code must pass the tests, or every "kill" would be false
+for name in ["", *survivors]:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -151,6 +156,11 @@ for name in survivors:
         data += chunk
     os.waitpid(pid, 0)
     code, failed = json.loads(data or b"[-1, \\"\\"]")
+    if not name:
+        if code != 0:
+            print("CONTROL FAILED: the unmutated code fails", failed, flush=True)
+            sys.exit(1)
+        continue
     out[name] = {"exit_code": code, "killed_by": failed}
     print(name, code, failed, flush=True)
 print("RESULT " + json.dumps(out))

@@ -8,7 +8,8 @@ Usage (after ``python tools/mutation.py ...`` and ``... --resume --recheck`` in 
 Per module: mutmut's counts (``killed``, ``survived``, ``timeout``, ``no_tests``,
 ``not_checked``), then the final verdict of every mutant mutmut did not count as killed:
 killed by a test of the recheck (its first failing test), or ``equivalent: <reason>``
-from ``tools/mutation_equivalents.json`` (``{mutant name: reason}``), or ``unexplained``
+from ``tools/mutation_equivalents.json`` (``[{function, diff, reason}]``: matched by the
+mutated function and the one-line diff, as mutmut renumbers mutants), or ``unexplained``
 (or ``not rechecked``). ``score`` is killed / (checked - equivalent), checked = every
 mutant mutmut ran (not "not checked" or "no tests"). README's table is rendered from the
 JSON by :func:`table` (``tools/readme_results.py``, block ``mutation.json#table``).
@@ -92,20 +93,22 @@ def verdicts(work: Path, equivalents: dict, modules: dict, survivors: list) -> N
                 final[status] += 1
                 continue
             r = recheck.get(name)
-            if status == "no_tests" and name not in equivalents:
+            diff = mutant_diff(funcs, name)
+            reason = equivalents.get((name.split("__mutmut_")[0], diff[:400]))
+            if status == "no_tests" and reason is None:
                 final[status] += 1
                 verdict = "no tests"
             elif r and r["exit_code"] == 1:
                 verdict = "killed by " + r["killed_by"]
                 final["killed"] += 1
-            elif name in equivalents:
-                verdict = "equivalent: " + equivalents[name]
+            elif reason is not None:
+                verdict = "equivalent: " + reason
                 final["equivalent"] += 1
             else:
                 verdict = "unexplained" if r else "not rechecked"
                 final[verdict.replace(" ", "_")] += 1
             survivors.append({"mutant": name, "module": module, "mutmut": status,
-                              "diff": mutant_diff(funcs, name), "status": verdict})
+                              "diff": diff, "status": verdict})
         checked = sum(v for k, v in raw.items() if k not in ("not_checked", "no_tests", "skipped"))
         modules[module] = {
             "total": len(codes), "mutmut": dict(raw),
@@ -156,7 +159,10 @@ def main() -> int:
     p.add_argument("--workdir", nargs="+", default=[d for d in RUNS if Path(d).exists()])
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "mutation"))
     a = p.parse_args()
-    equivalents = json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())
+    # mutmut numbers a function's mutants anew when the covered lines change: an equivalent
+    # mutant is identified by its function and its diff, not by its number
+    equivalents = {(e["function"], e["diff"][:400]): e["reason"]
+                   for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
     modules, survivors = {}, []
     for work in a.workdir:
         verdicts(Path(work), equivalents, modules, survivors)
