@@ -40,3 +40,38 @@ def np_attention(q, k, v, mask=None):
     w = np.exp(logits)
     w /= w.sum(-1, keepdims=True)
     return w @ v
+
+
+def np_victim(scores, positions, position, n_sink, recent):
+    """The slot decode_select frees next ([B, H, S] -> [B, H] int32): among slots whose
+    position is neither a sink (< n_sink) nor in the recent window (>= position + 1 -
+    recent), the lowest score; among equal scores the latest position. Python ints and
+    floats: no overflow at any int64 position (NaN/inf already stored as -inf)."""
+    B, H, S = scores.shape
+    out = np.zeros((B, H), np.int32)
+    for b in range(B):
+        for h in range(H):
+            cand = [j for j in range(S) if n_sink <= int(positions[b, h, j]) < position + 1 - recent]
+            out[b, h] = min(cand, key=lambda j: (float(scores[b, h, j]), -int(positions[b, h, j])))
+    return out
+
+
+def np_fmix32(h):
+    """MurmurHash3's 32-bit finaliser on uint32 numpy arrays (wrapping arithmetic)."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def np_hash_scores(positions, seed, layer):
+    """README's random arm at ``positions [..., H, T]`` (heads on axis -2): uniform [0, 1)
+    from MurmurHash3 fmix32 of position * golden ratio xor fmix32(head + seed * 0x27D4EB2F
+    + layer * 0x165667B1 + 1), top 24 bits / 2**24 (positions taken modulo 2**32)."""
+    with np.errstate(over="ignore"):
+        pos = np.asarray(positions).astype(np.uint32)
+        head = np.arange(pos.shape[-2], dtype=np.uint32)[:, None]
+        mix = np.uint32((seed * 0x27D4EB2F + layer * 0x165667B1 + 1) & 0xFFFFFFFF)
+        h = np_fmix32((pos * np.uint32(0x9E3779B1)) ^ np_fmix32(head + mix))
+    return (h >> np.uint32(8)).astype(np.float64) / (1 << 24)

@@ -4,22 +4,9 @@ mutants that survived ``tools/mutation.py``; see bench/results/mutation.md)."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from oracle import np_victim
 
 from qfilters_mlx.backends import reference as ref
-
-
-def np_victim(scores, positions, position, n_sink, recent):
-    """The slot to free next (reference.decode_select's rule): among positions neither
-    a sink (< n_sink) nor in the recent window (>= position + 1 - recent), the lowest
-    score, and among equal scores the latest position; NaN/inf already stored as -inf."""
-    B, H, S = scores.shape
-    out = np.zeros((B, H), np.int32)
-    for b in range(B):
-        for h in range(H):
-            cand = [s for s in range(S)
-                    if n_sink <= positions[b, h, s] < position + 1 - recent]
-            out[b, h] = min(cand, key=lambda s: (scores[b, h, s], -positions[b, h, s]))
-    return out
 
 
 def test_decode_select_stores_the_new_token_and_frees_the_documented_victim():

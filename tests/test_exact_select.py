@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from backends_here import BACKENDS
-from oracle import np_keep_rows
+from oracle import np_hash_scores, np_keep_rows, np_victim
 
 from qfilters_mlx.backends import reference as ref
 from qfilters_mlx.backends.dispatch import get_backend
@@ -62,19 +62,6 @@ def test_select_keep_ranks_scores_one_ulp_apart_by_value():
     assert np.array(ref.select_keep(mx.array(s), 1)).tolist() == [[[0]]]
 
 
-def np_victim(scores, positions, position, n_sink, recent):
-    """The slot to free next (decode_select's docstring): among slots whose position is
-    neither a sink (< n_sink) nor in the recent window (>= position + 1 - recent), the
-    lowest score; among equal scores the latest position. Python ints: no overflow."""
-    B, H, S = scores.shape
-    out = np.zeros((B, H), np.int32)
-    for b in range(B):
-        for h in range(H):
-            cand = [j for j in range(S) if n_sink <= int(positions[b, h, j]) < position + 1 - recent]
-            out[b, h] = min(cand, key=lambda j: (float(scores[b, h, j]), -int(positions[b, h, j])))
-    return out
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n_sink", [0, 2])
 @pytest.mark.parametrize("base", [2**31 - 5, 2**32 + 7, 3 * 2**32])
@@ -104,25 +91,6 @@ def test_decode_select_at_positions_beyond_int32(backend, n_sink, base):
         assert p.dtype == mx.int64 and v.dtype == mx.int32
         np.testing.assert_array_equal(np.array(p), exp_p)
         np.testing.assert_array_equal(np.array(v), np_victim(exp_s, exp_p, position, n_sink, recent))
-
-
-def np_hash_scores(positions, seed, layer):
-    """scorers.random_scores written out in numpy (MurmurHash3 fmix32 of position * golden
-    ratio xor fmix32(head + seed * 0x27D4EB2F + layer * 0x165667B1 + 1); top 24 bits / 2**24)."""
-    M = 0xFFFFFFFF
-
-    def fmix(h):
-        h = h ^ (h >> 16)
-        h = (h * 0x85EBCA6B) & M
-        h = h ^ (h >> 13)
-        h = (h * 0xC2B2AE35) & M
-        return h ^ (h >> 16)
-
-    pos = np.asarray(positions, np.uint64)
-    head = np.arange(pos.shape[1], dtype=np.uint64)[None, :, None]
-    h = (pos * 0x9E3779B1) & M
-    h = h ^ fmix((head + ((seed * 0x27D4EB2F + layer * 0x165667B1 + 1) & M)) & M)
-    return (fmix(h) >> 8).astype(np.float64) / 2**24
 
 
 def test_insertion_scores_defaults_are_sign_plus_one_seed_zero_layer_zero():

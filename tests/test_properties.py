@@ -18,7 +18,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from oracle import np_keep
+from oracle import np_hash_scores, np_keep
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 from backends_here import BACKENDS, examples
 
@@ -37,24 +37,9 @@ def scenario(draw):
     return budget, n_sink, recent, calib, method, chunks, seed
 
 
-def np_fmix32(h):
-    """MurmurHash3's 32-bit finaliser on uint32 numpy arrays (wrapping arithmetic)."""
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
-
-
 def np_random_scores(H, T, seed, layer):
-    """README's random arm: uniform [0, 1) from a hash of (seed, layer, head, position)."""
-    with np.errstate(over="ignore"):
-        pos = np.arange(T, dtype=np.uint32)[None, :]
-        head = np.arange(H, dtype=np.uint32)[:, None]
-        mix = np.uint32((seed * 0x27D4EB2F + layer * 0x165667B1 + 1) & 0xFFFFFFFF)
-        h = (pos * np.uint32(0x9E3779B1)) ^ np_fmix32(head + mix)
-        h = np_fmix32(h)
-    return (h >> np.uint32(8)).astype(np.float64) / (1 << 24)
+    """README's random arm at positions 0..T-1: ``[H, T]`` float64."""
+    return np_hash_scores(np.broadcast_to(np.arange(T), (H, T)), seed, layer)
 
 
 def oracle_scores(method, keys_np, cache):

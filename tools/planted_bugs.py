@@ -178,13 +178,19 @@ def copy_package(dest: Path) -> Path:
     return dest / "qfilters_mlx"
 
 
+def scratch_env(scratch: Path) -> dict:
+    """This process's environment with ``scratch`` first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(scratch)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
 def run_tests(scratch: Path, tests: list[str], timeout: float) -> dict:
     """pytest on ``tests`` with the package from ``scratch``: ``{rc, first_failure,
     imported_from, seconds, tail}`` (``rc`` None on a timeout)."""
     probe_out = scratch / "probe.json"
     probe_out.unlink(missing_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(scratch)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = scratch_env(scratch)
     env["PLANTED_PROBE_OUT"] = str(probe_out)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
@@ -211,8 +217,7 @@ def check_import(scratch: Path) -> str:
     """``qfilters_mlx.__file__`` in a plain ``python -c`` with the run's environment
     (cwd = repository root, PYTHONPATH = scratch first) after importing the tests'
     conftest; raises RuntimeError unless it is the scratch copy."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(scratch)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = scratch_env(scratch)
     code = ("import sys; sys.path.insert(0, 'tests'); import conftest, qfilters_mlx; "
             "print(qfilters_mlx.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,

@@ -80,7 +80,8 @@ def render(src: str, what: str) -> str:
         return windows_table(path)
     results = json.loads(path.read_text())
     if what == "table":
-        sys.path.insert(0, str(REPO / "tools"))
+        if str(REPO / "tools") not in sys.path:
+            sys.path.insert(0, str(REPO / "tools"))
         from mutation_report import table
 
         return table(results)
