@@ -16,10 +16,10 @@ far, then by duration, and turns hypothesis shrinking off; the three slow rewind
 tests (``DESELECT``) are left out; hypothesis examples x0.1; ``nice -n 19``.
 
 On a loaded machine a niced test process can starve past mutmut's wall-clock limit:
-such "timeouts" are not trusted. ``--recheck`` re-runs them (all of ``TESTS``) and
-the survivors (``RECHECK_TESTS``: the tests written for survivors), one fork each,
-into ``WORKDIR/recheck.json``; ``tools/mutation_report.py`` merges that with the
-hand-classified equivalent mutants (``tools/mutation_equivalents.json``) into
+such "timeouts" (and crashed test processes) are not trusted. ``--recheck`` re-runs
+them (all of ``TESTS``) and the survivors (``RECHECK_TESTS``: the tests written for
+survivors), one fork each, into ``WORKDIR/recheck.json``; ``tools/mutation_report.py``
+merges that with the hand-classified equivalent mutants (``tools/mutation_equivalents.json``) into
 ``bench/results/mutation.json``.
 
 mutmut is not a dependency of the package: install it apart, e.g.
@@ -63,10 +63,12 @@ TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_st
          "tests/test_cache_oracle.py", "tests/test_properties.py", "tests/test_cache_round_trip.py",
          "tests/test_rewind.py", "tests/test_perhead_recent.py",
          "tests/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
-         "tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py"]
+         "tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
+         "tests/test_exact_slot_mode.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the tests written
 # for them (they are in TESTS too: a fresh run counts them as kills directly).
-RECHECK_TESTS = ["tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py"]
+RECHECK_TESTS = ["tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
+                 "tests/test_exact_slot_mode.py"]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
 DESELECT = ["tests/test_rewind.py::test_speculative_kept_sets_equal_the_numpy_model_fed_the_same_calls",
@@ -226,6 +228,9 @@ def mutmut(args, mutmut_path: str, workdir: Path, env, log: Path | None = None):
 
 
 TIMEOUT_CODES = (24, -24, 152, 255, 36)  # mutmut's "timeout" exit codes
+# Re-run with the whole selection like timeouts: a test process that crashed (mutmut's
+# "suspicious" and "segfault": SIGABRT, SIGKILL, SIGSEGV) may have died of the fork, not the mutant.
+CRASH_CODES = (-6, -9, -11, 35)
 
 
 def mutants_with(workdir: Path, codes) -> list[str]:
@@ -240,14 +245,14 @@ def mutants_with(workdir: Path, codes) -> list[str]:
 def recheck(workdir: Path, tests, full_tests, mutmut_path: str, env) -> int:
     """Run ``tests`` against every survivor of mutmut's run and ``full_tests`` against
     every mutant it timed out (on a loaded machine a timeout can be starvation, not a
-    hang); write ``WORKDIR/recheck.json`` ``{mutant: {"exit_code", "killed_by", "tests"}}``
-    (exit code 1 and the first failing test: killed)."""
+    hang) or whose test process crashed; write ``WORKDIR/recheck.json``
+    ``{mutant: {"exit_code", "killed_by", "tests"}}`` (exit code 1 and the first failing test: killed)."""
     copy_tests(workdir)
     (workdir / "mutants" / "tests").mkdir(exist_ok=True)
     shutil.copytree(workdir / "tests", workdir / "mutants" / "tests", dirs_exist_ok=True)
     result = {}
     for group, names in (("survivors", mutants_with(workdir, (0,))),
-                         ("timeouts", mutants_with(workdir, TIMEOUT_CODES))):
+                         ("timeouts", mutants_with(workdir, TIMEOUT_CODES + CRASH_CODES))):
         group_tests = list(tests) if group == "survivors" else list(full_tests)
         cmd = ["nice", "-n", "19", sys.executable, "-c", RECHECK, mutmut_path,
                str(workdir / "mutants"), json.dumps(group_tests), json.dumps(names)]
