@@ -288,10 +288,14 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
 
     Returns:
         ``(scores, positions, victim [B, H] int32)``.
+
+    Raises:
+        TypeError, ValueError: a window not an int, ``n_sink`` or a window ``< 0``,
+            ``n_sink + recent[h] >= S``, or not ``H`` windows (as the C++ backend).
     """
+    windows = recent_windows(recent, scores.shape[1], n_sink, scores.shape[2], inclusive=False,
+                             limit_name="S")
     if not isinstance(recent, int) or isinstance(recent, bool):
-        windows = recent_windows(recent, scores.shape[1], n_sink, scores.shape[2], inclusive=False,
-                                 limit_name="S")
         recent = mx.array(windows, dtype=mx.int64)[None, :, None]  # [1, H, 1]
     idx = free.astype(mx.int32)[:, :, None]
     s_new = new_scores.astype(mx.float32)
