@@ -52,8 +52,8 @@ class StepRecord:
     free: mx.array | None  # [B, H] slot written; None: the step entered slot mode
     rows: tuple | None  # (k, v, score, pos) the slot held; None: dead content
     n: int  # live rows before the step
-    scores: mx.array | None = None  # [B, H, n] float32 before a step entering slot mode
-    positions: mx.array | None = None  # [B, H, n] int64 before a step entering slot mode
+    scores: mx.array | None = None  # [B, H, capacity] float32 buffer before a step entering slot mode
+    positions: mx.array | None = None  # [B, H, capacity] int64 buffer before a step entering slot mode
     tokens: int = 1
 
 
@@ -70,7 +70,7 @@ class CallRecord:
     slots: tuple | None = None  # (order [B,H,S-1], free [B,H], free-slot rows) if it left slot mode
     dropped: tuple | None = None  # (k, v, score, pos) rows the eviction dropped
     observed: mx.array | None = None  # queries observed for this call (re-apply)
-    capacity: int = 0  # buffer rows before the call (restored before the first eviction)
+    capacity: int = 0  # buffer rows before the call (restored when it exceeds ``n``: step blocks)
 
 
 @dataclass
@@ -160,6 +160,15 @@ def dropped_rows(kept: mx.array, arrays: tuple) -> tuple:
     order = mx.argsort(mx.arange(n, dtype=mx.int32)[None, None] + is_kept, axis=2)[:, :, : n - K]
     return tuple(mx.take_along_axis(a, order[..., None] if a.ndim == 4 else order, axis=2)
                  for a in arrays)
+
+
+def pad_rows(a: mx.array, rows: int) -> mx.array:
+    """``a [B, H, n, ...]`` followed by zero rows up to ``rows`` (``rows <= n``: ``a``
+    itself): a buffer back at the size it had before an undone call or step (rows grown
+    in step blocks, never written, are zeros)."""
+    if rows <= a.shape[2]:
+        return a
+    return mx.concatenate([a, mx.zeros((*a.shape[:2], rows - a.shape[2], *a.shape[3:]), a.dtype)], axis=2)
 
 
 def rows_between(arrays: tuple, lo: int, hi: int, n: int) -> tuple:

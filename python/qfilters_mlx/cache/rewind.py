@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, StepRecord, rows_between
+from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, StepRecord, pad_rows, rows_between
 
 
 class RewindMixin:
@@ -117,10 +117,9 @@ class RewindMixin:
         """Undo the newest multi-token call (the cache is in its post-call state)."""
         if rec.dropped is not None:
             rows = rows_between(self._pool(rec), -1, rec.offset, rec.n)
-            if not rec.evicted and rec.capacity > rec.n:  # the buffers' size before the call
-                rows = tuple(mx.concatenate(
-                    [a, mx.zeros((*a.shape[:2], rec.capacity - rec.n, *a.shape[3:]), a.dtype)], axis=2)
-                    for a in rows)
+            if rec.slots is None:  # the buffers' size before the call (step blocks: before the
+                # first eviction, compress-once growth); a slot layout is rebuilt below
+                rows = tuple(pad_rows(a, rec.capacity) for a in rows)
             self.keys, self.values, self.scores, self.positions = rows
         if self._needs_filter and rec.filter is None and self.filter is not None:
             self.scores = mx.zeros_like(self.scores)  # the old rows were never scored

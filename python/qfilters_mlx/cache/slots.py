@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfilters_mlx.cache.journal import LayoutRecord, StepRecord, to_slots
+from qfilters_mlx.cache.journal import LayoutRecord, StepRecord, pad_rows, to_slots
 from qfilters_mlx.cache.scorers import insertion_scores
 
 _BIG = 2**62
@@ -177,9 +177,9 @@ class SlotModeMixin:
     def _undo_step(self, record: StepRecord) -> None:
         """Undo the newest decode step (``record`` is its journal entry)."""
         if record.free is None:  # the step entered slot mode: drop the spare slot
-            n = record.n
-            self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
-            self.scores, self.positions = record.scores[:, :, :n], record.positions[:, :, :n]
+            n, cap = record.n, record.scores.shape[2]  # (cap: the buffers' rows before the step)
+            self.keys, self.values = pad_rows(self.keys[:, :, :n], cap), pad_rows(self.values[:, :, :n], cap)
+            self.scores, self.positions = record.scores, record.positions
             self._free = None
         else:
             f = record.free
