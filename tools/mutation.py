@@ -64,11 +64,11 @@ TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_st
          "tests/test_rewind.py", "tests/test_perhead_recent.py",
          "tests/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
          "tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
-         "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py"]
+         "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the tests written
 # for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
-                 "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py"]
+                 "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py"]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
 DESELECT = ["tests/test_rewind.py::test_speculative_kept_sets_equal_the_numpy_model_fed_the_same_calls",
