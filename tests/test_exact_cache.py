@@ -279,3 +279,28 @@ def test_prompt_end_trigger_compresses_before_the_first_single_token_call():
     s = model_scores("qfilters", k, f, 1)[0]
     kept = np.stack([np.concatenate([model_keep(s[h, :15], 8, 2, 2), [15, 16]]) for h in range(H)])
     np.testing.assert_array_equal(np.array(c.kept_positions())[0], kept)
+
+
+def test_full_cache_never_evicts_its_window_mask_is_mlx_lms_and_an_evicted_state_is_refused():
+    """method="full" stores every token (no eviction past the budget): it stays trimmable,
+    its window mask is mlx-lm's ``create_causal_mask`` over all stored tokens, and a saved
+    state whose meta claims an eviction is refused naming the method, before state changes."""
+    from mlx_lm.models.base import create_causal_mask
+    import json
+
+    k, v, _ = int_data(40, seed=5)
+    c = QFiltersKVCache(KVCacheConfig(method="full", qfilters_budget=8, qfilters_backend="reference"))
+    feed(c, k, v, [20, 1, 1, 1])
+    assert c.size() == c.offset == 23 and not c.evicted and c.is_trimmable()
+    np.testing.assert_array_equal(np.array(c.state[0]), k[:, :, :23])
+    for N, w in [(1, 5), (3, 4)]:
+        np.testing.assert_array_equal(np.array(c.make_mask(N, window_size=w)),
+                                      np.array(create_causal_mask(N, 23, window_size=w)))
+    before = observable(c)
+    meta = json.loads(c.state[6])
+    meta["evicted"] = True
+    with pytest.raises(ValueError, match=r"evicted=True for method='full'"):
+        c.state = c.state[:6] + (json.dumps(meta),)
+    after = observable(c)
+    assert before[1:] == after[1:] and all(np.array_equal(x, y) for x, y in zip(before[0], after[0])
+                                           if x is not None)

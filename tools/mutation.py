@@ -57,7 +57,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/scorers.py",
+MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/scorers.py", "cache/journal.py",
            "cache/slots.py", "cache/persistence.py", "cache/rewind.py"]
 TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_step.py",
          "tests/test_cache_oracle.py", "tests/test_properties.py", "tests/test_cache_round_trip.py",
@@ -290,7 +290,7 @@ def main() -> int:
     p.add_argument("--resume", action="store_true", help="keep the work dir and the results already there")
     p.add_argument("--recheck", nargs="*", default=None, metavar="TEST",
                    help="no mutmut run: re-run each survivor of the work dir's run against these "
-                        "tests (default: the --deselect tests and tests/test_exact_rules.py); "
+                        "tests (default: RECHECK_TESTS and the --deselect tests); "
                         "results in WORKDIR/recheck.json")
     a = p.parse_args()
     workdir = Path(a.workdir)
@@ -300,7 +300,7 @@ def main() -> int:
         copy_tests(workdir)  # new tests count; the configuration stays as prepared
     env = dict(os.environ, QF_TEST_EXAMPLES_SCALE=a.examples_scale, PYTHONPATH="")
     if a.recheck is not None:
-        extra = a.recheck or RECHECK_TESTS
+        extra = a.recheck or [*RECHECK_TESTS, *a.deselect]
         return recheck(workdir, extra, [*a.tests, *extra], a.mutmut_path, env)
     mutmut(["run", "--max-children", str(a.max_children), *a.only], a.mutmut_path, workdir, env,
            log=workdir / "run.log")

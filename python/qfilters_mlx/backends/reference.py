@@ -291,12 +291,14 @@ def decode_select(scores, positions, new_scores, free, position: int, n_sink: in
 
     Raises:
         TypeError, ValueError: a window not an int, ``n_sink`` or a window ``< 0``,
-            ``n_sink + recent[h] >= S``, or not ``H`` windows (as the C++ backend).
+            ``n_sink + recent[h] >= S``, or not ``H`` windows.
     """
-    windows = recent_windows(recent, scores.shape[1], n_sink, scores.shape[2], inclusive=False,
-                             limit_name="S")
-    if not isinstance(recent, int) or isinstance(recent, bool):
-        recent = mx.array(windows, dtype=mx.int64)[None, :, None]  # [1, H, 1]
+    S = scores.shape[2]
+    # (one int window in range, the cache's case every decode step: nothing to convert)
+    if type(recent) is not int or not 0 <= n_sink <= n_sink + recent < S:
+        windows = recent_windows(recent, scores.shape[1], n_sink, S, inclusive=False, limit_name="S")
+        if type(recent) is not int:
+            recent = mx.array(windows, dtype=mx.int64)[None, :, None]  # [1, H, 1]
     idx = free.astype(mx.int32)[:, :, None]
     s_new = new_scores.astype(mx.float32)
     s_new = mx.where(mx.isfinite(s_new), s_new, -mx.inf)

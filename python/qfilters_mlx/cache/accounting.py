@@ -20,7 +20,7 @@ class ByteAccountingMixin:
     def journal_nbytes(self) -> int:
         """Bytes held only to make rewinds exact (``qfilters_max_rewind``): per decode step
         recorded, the slot and the rows it held (``B H (4 + (D_k + D_v) itemsize + 12)``;
-        the step entering slot mode: the scores/positions before it, ``12 B H budget``);
+        the step entering slot mode: the scores/positions buffers before it, ``12 B H capacity``);
         per multi-token call, the rows its eviction dropped; plus the free slot's rows."""
         rows = self._victim_rows
         pending = 0 if rows is None else sum(a.nbytes for a in rows)

@@ -21,7 +21,8 @@ What a record holds (``B, H = batch, KV heads``; bytes are counted in ``nbytes``
   are gathered when the victim is chosen and evaluated with the step's outputs
   (``mx.depends``), so the next in-place ``write_slot`` still reuses the buffer
   (no copy of the whole buffer per step). The step that enters slot mode keeps
-  the scores/positions before it instead (``12 B H budget`` bytes).
+  the scores/positions buffers before it instead (``12 B H capacity`` bytes:
+  the budget's rows, or a 256-row step block under compress-once growth).
 * a multi-token call (:class:`CallRecord`): the rows its eviction dropped
   (``[B, H, E, *]``, ``E`` = rows before + ``L`` - budget; with the rows kept
   they hold the call's own tokens, re-applied on a partial rewind), the slot

@@ -100,6 +100,8 @@ class PersistenceMixin:
         if (config.kv_bits is not None) != hasattr(type(self), "bits"):
             raise ValueError(f"state: kv_bits={config.kv_bits} was saved by another cache class than "
                              f"{type(self).__name__} (QuantizedQFiltersKVCache stores kv_bits caches)")
+        if config.method == "full" and scalars[2]:
+            raise ValueError("state: meta says evicted=True for method='full', which never evicts")
         backend = get_backend(config.qfilters_backend)
         self._free = None
         self._victim_rows = None
@@ -126,8 +128,7 @@ class PersistenceMixin:
 
     def __setstate__(self, d: dict) -> None:
         d = dict(d)
-        name = d["backend"]
-        d["backend"] = get_backend(name if name in ("reference", "cpp") else "metal")
+        d["backend"] = get_backend(d["backend"])  # stored by name (__getstate__)
         # A copy is not the cache an observe_queries block registered: it must be observed
         # on its own before it may grow (never a silently unobserved copy).
         d["queries_observed"] = False

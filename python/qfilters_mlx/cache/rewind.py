@@ -20,7 +20,7 @@ class RewindMixin:
     def is_trimmable(self) -> bool:
         """Whether mlx-lm may rewind this cache (speculative decoding, prompt-cache reuse).
 
-        True for ``method="full"``, before any eviction (every token is stored:
+        True for ``method="full"`` (it never evicts) and before any eviction (every token is stored:
         a plain trim is exact), and whenever ``qfilters_max_rewind > 0`` (rewinds
         of up to that many tokens stay exact after an eviction; deeper ones
         raise). False after an eviction with ``qfilters_max_rewind=0`` (the
@@ -29,7 +29,7 @@ class RewindMixin:
         check runs once before the prompt) raises ``ValueError`` naming
         ``qfilters_max_rewind``: never a silent no-op.
         """
-        return self.method == "full" or self.config.qfilters_max_rewind > 0 or not self.evicted
+        return self.config.qfilters_max_rewind > 0 or not self.evicted
 
     @property
     def rewindable_tokens(self) -> int:

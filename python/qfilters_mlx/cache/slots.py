@@ -50,7 +50,7 @@ class SlotModeMixin:
         (also for ``N == 1``). With
         ``window_size`` the mask is built from absolute positions, which is
         possible while every head stores the same positions (before any
-        eviction, and always for ``streaming_llm``/``full``).
+        eviction, so always for ``full``, and for ``streaming_llm``).
 
         Raises:
             ValueError: ``window_size`` after a per-head eviction.
@@ -64,7 +64,7 @@ class SlotModeMixin:
             return None if N == 1 else "causal"
         if not self.evicted:
             return create_causal_mask(N, S, window_size=window_size)
-        if self.method not in ("streaming_llm", "full"):
+        if self.method != "streaming_llm":
             raise ValueError(
                 "window_size masks are not supported after per-head eviction "
                 f"(method={self.method!r}); use the model's own cache for sliding-window layers"
