@@ -56,6 +56,17 @@ def np_victim(scores, positions, position, n_sink, recent):
     return out
 
 
+def np_write_slot(scores, positions, new, free, position):
+    """A decode step's write in numpy: each (batch row, head) slot ``free [B, H]`` gets the
+    new score ``new [B, H, 1]`` and the absolute ``position``; returns copies of
+    ``scores [B, H, S]`` and ``positions [B, H, S]``."""
+    scores, positions = scores.copy(), positions.copy()
+    b, h = np.indices(free.shape)
+    scores[b, h, free] = new[..., 0]
+    positions[b, h, free] = position
+    return scores, positions
+
+
 def np_fmix32(h):
     """MurmurHash3's 32-bit finaliser on uint32 numpy arrays (wrapping arithmetic)."""
     h = h ^ (h >> np.uint32(16))

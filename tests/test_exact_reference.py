@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from oracle import np_victim
+from oracle import np_victim, np_write_slot
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.backends import reference as ref
 
@@ -46,11 +46,7 @@ def test_decode_select_per_head_windows_free_the_documented_victim_at_any_positi
         recent = kinds[trial % len(kinds)](windows)
         s, p, v = ref.decode_select(mx.array(scores), mx.array(positions), mx.array(new),
                                     mx.array(free), position, n_sink, recent)
-        exp_s, exp_p = scores.copy(), positions.copy()
-        for b in range(B):
-            for h in range(H):
-                exp_s[b, h, free[b, h]] = new[b, h, 0]
-                exp_p[b, h, free[b, h]] = position
+        exp_s, exp_p = np_write_slot(scores, positions, new, free, position)
         want = np.concatenate([np_victim(exp_s[:, h:h + 1], exp_p[:, h:h + 1], position, n_sink,
                                          windows[h]) for h in range(H)], axis=1)
         np.testing.assert_array_equal(np.array(s), exp_s)

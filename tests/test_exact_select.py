@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from backends_here import BACKENDS
-from oracle import np_hash_scores, np_keep_rows, np_victim
+from oracle import np_hash_scores, np_keep_rows, np_victim, np_write_slot
 
 from qfilters_mlx.backends import reference as ref
 from qfilters_mlx.backends.dispatch import get_backend
@@ -82,11 +82,7 @@ def test_decode_select_at_positions_beyond_int32(backend, n_sink, base):
         new = rng.integers(-2, 2, size=(B, H, 1)).astype(np.float32)
         s, p, v = be.decode_select(mx.array(scores), mx.array(positions), mx.array(new),
                                    mx.array(free), position, n_sink, recent)
-        exp_s, exp_p = scores.copy(), positions.copy()
-        for b in range(B):
-            for h in range(H):
-                exp_s[b, h, free[b, h]] = new[b, h, 0]
-                exp_p[b, h, free[b, h]] = position
+        exp_s, exp_p = np_write_slot(scores, positions, new, free, position)
         np.testing.assert_array_equal(np.array(s), exp_s)
         assert p.dtype == mx.int64 and v.dtype == mx.int32
         np.testing.assert_array_equal(np.array(p), exp_p)
