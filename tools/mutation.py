@@ -156,8 +156,12 @@ for name in ["", *survivors]:
     data = b""
     while chunk := os.read(r, 65536):
         data += chunk
-    os.waitpid(pid, 0)
-    code, failed = json.loads(data or b"[-1, \\"\\"]")
+    _, status = os.waitpid(pid, 0)
+    if data:
+        code, failed = json.loads(data)
+    else:  # the test process died: a crash under the mutant (the unmutated code passed)
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+        code, failed = -sig or -1, f"(test process crashed: signal {sig}, exit {os.waitstatus_to_exitcode(status)})"
     if not name:
         if code != 0:
             print("CONTROL FAILED: the unmutated code fails", failed, flush=True)

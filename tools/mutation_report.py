@@ -7,7 +7,8 @@ Usage (after ``python tools/mutation.py ...`` and ``... --resume --recheck`` in 
 
 Per module: mutmut's counts (``killed``, ``survived``, ``timeout``, ``no_tests``,
 ``not_checked``), then the final verdict of every mutant mutmut did not count as killed:
-killed by a test of the recheck (its first failing test), or ``equivalent: <reason>``
+killed by a test of the recheck (its first failing test; or its test process crashed,
+the unmutated code having passed first), or ``equivalent: <reason>``
 from ``tools/mutation_equivalents.json`` (``[{function, diff, reason}]``: matched by the
 mutated function and the one-line diff, as mutmut renumbers mutants), or ``unexplained``
 (or ``not rechecked``). ``score`` is killed / (checked - equivalent), checked = every
@@ -31,8 +32,9 @@ RUNS = {  # work dir -> the command that made it
     "/tmp/qfilters-mutation": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
                               "--modules backends/reference.py cache/scorers.py cache/kv_cache.py",
     "/tmp/qfilters-mutation-mixins": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                                     "--workdir /tmp/qfilters-mutation-mixins --max-children 1 "
-                                     "--modules cache/slots.py cache/persistence.py cache/rewind.py",
+                                     "--workdir /tmp/qfilters-mutation-mixins "
+                                     "--modules cache/slots.py cache/persistence.py cache/rewind.py "
+                                     "cache/journal.py",
 }
 
 
@@ -104,6 +106,10 @@ def verdicts(work: Path, equivalents: dict, modules: dict, survivors: list) -> N
             elif r and r["exit_code"] == 1:
                 verdict = "killed by " + r["killed_by"]
                 final["killed"] += 1
+            elif r and r["exit_code"] < 0 and r["killed_by"].startswith("(test process crashed"):
+                # the recheck ran the unmutated code first (it passed): the suite fails on the mutant
+                verdict = "killed: " + r["killed_by"].strip("()")
+                final["killed"] += 1
             elif reason is not None:
                 verdict = "equivalent: " + reason
                 final["equivalent"] += 1
@@ -138,11 +144,11 @@ def markdown(results: dict) -> str:
     """The whole report: commands, table, every non-killed mutant's verdict grouped by test / reason."""
     out = ["# Mutation check (mutmut 3.8.1): the eviction core", "", "Commands (from the repository root):", ""]
     out += [f"    {c}" for c in results["commands"]]
-    out += ["    python tools/mutation.py ... --resume --recheck   # per work dir: survivors + timeouts",
+    out += ["    python tools/mutation.py ... --resume --recheck   # per work dir: survivors, timeouts, crashes",
             "    python tools/mutation_report.py", "", table(results),
             "Score = killed / (checked - equivalent); checked = mutants mutmut ran. mutmut's score = "
             "(killed + timeout) / checked, before the recheck. Below: every mutant mutmut did not count "
-            "as killed (survived, timeout, no tests) and what became of it.", ""]
+            "as killed (survived, timeout, suspicious = crashed, no tests) and what became of it.", ""]
     groups = defaultdict(list)
     for s in results["survivors"]:
         key = s["status"].split(":")[0] if s["status"].startswith("equivalent") else s["status"]
