@@ -122,29 +122,48 @@ def test_rewindable_tokens_after_an_eviction_follow_the_reach_rule(depth):
     assert c.trim(1) == 1 and c.rewindable_tokens == min(depth, covered(calls, depth) - 1)
 
 
-def test_plain_trims_before_an_eviction_shorten_the_journal_exactly():
+def cut(calls, back):
+    """The calls left after removing the newest ``back`` tokens (a call cut inside keeps its head)."""
+    calls = list(calls)
+    while back > 0:
+        last = calls.pop()
+        if last > back:
+            calls.append(last - back)
+        back -= min(last, back)
+    return calls
+
+
+@pytest.mark.parametrize("trims", [[1, 1, 4], [1, 4]], ids=["tail_of_a_call", "whole_calls"])
+def test_plain_trims_before_an_eviction_shorten_the_journal_exactly(trims):
     """Before any eviction ``trim`` drops the newest tokens, also from the journal: a single
     token, a whole call, several calls and the tail of one; the evicting calls after it then
-    rewind across the trimmed calls exactly (the cache fed only the surviving tokens)."""
+    rewind across the trimmed calls exactly (the cache fed only the surviving tokens), and
+    ``rewindable_tokens`` counts exactly the tokens fed since the build (depth 64)."""
     k, v, f = int_data(64, seed=24)
-    a = run([4, 4, 4, 3], k, v, f)
-    assert a.trim(1) == 1  # 4 4 4 2
-    assert a.trim(2) == 2  # 4 4 4 (a whole call)
-    assert a.trim(6) == 6  # 4 2 (a whole call and the tail of another)
-    b = run([4, 2], k, v, f)
+    fed = [3, 3, 3, 2]  # 11 tokens: nothing evicted (budget 12)
+    later = [5, 3, 1, 1]  # the 3-token call evicts
+    left = cut(fed, sum(trims))
+
+    def trimmed():
+        x = run(fed, k, v, f)
+        for n in trims:
+            assert not x.evicted and x.rewindable_tokens == x.size()
+            assert x.trim(n) == n
+        return x
+
+    a, b = trimmed(), run(left, k, v, f)
     assert_same(a, b)
     for c in (a, b):
-        feed(c, k, v, [5, 3, 1, 1], start=6)  # 16 tokens: evicted
+        feed(c, k, v, later, start=sum(left))
     assert_same(a, b)
-    assert a.evicted and a.rewindable_tokens == 16  # every token fed is journaled (depth 64)
-    for back, kept in [(2, [4, 2, 5, 3]), (4, [4, 2, 5, 1]), (5, [4, 2, 5]), (10, [4, 2]),
-                       (11, [4, 1]), (12, [4])]:
-        x = run([4, 4, 4, 3], k, v, f)
-        x.trim(1), x.trim(2), x.trim(6)
-        feed(x, k, v, [5, 3, 1, 1], start=6)
+    total = sum(left) + sum(later)
+    assert a.evicted and a.rewindable_tokens == total
+    for back in (2, 4, 5, 10, 11, 12, total - 1):
+        x = trimmed()
+        feed(x, k, v, later, start=sum(left))
         assert x.trim(back) == back
-        assert_same(x, run(kept, k, v, f))
-        assert x.rewindable_tokens == (16 - back if x.evicted else x.size())
+        assert_same(x, run(cut(left + later, back), k, v, f))
+        assert x.rewindable_tokens == (total - back if x.evicted else x.size())
 
 
 def test_a_compression_clears_the_journal():
@@ -217,7 +236,7 @@ def test_dropped_rows_are_the_rows_not_kept_ascending_past_float32_integers():
     """``dropped_rows(kept, arrays)``: the rows of ``arrays`` not in ``kept``, ascending, for any
     row count (here ``2**24 + 1`` rows, past the integers float32 holds exactly)."""
     n = 2**24 + 1
-    kept = np.array([0, 5, n - 1], np.int64)
+    kept = np.array([0, 5, 7], np.int64)  # (row 0 kept, row 2**24 dropped)
     pos = mx.arange(n, dtype=mx.int64).reshape(1, 1, n)
     keys = mx.zeros((1, 1, n, 1), mx.float16)
     out = dropped_rows(mx.array(kept.reshape(1, 1, 3)), (keys, keys, mx.zeros((1, 1, n)), pos))
