@@ -55,7 +55,12 @@ def observable(c):
 
 
 def assert_same(a, b):
-    (xa, ma, *sa), (xb, mb, *sb) = observable(a), observable(b)
+    assert_same_view(observable(a), observable(b))
+
+
+def assert_same_view(va, vb):
+    """Two :func:`observable` snapshots are equal (arrays bit for bit, dtypes included)."""
+    (xa, ma, *sa), (xb, mb, *sb) = va, vb
     for x, y in zip(xa, xb):
         assert (x is None) == (y is None)
         if x is not None:

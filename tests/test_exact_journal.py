@@ -27,7 +27,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.cache.journal import dropped_rows
-from test_exact_cache import H, D, assert_same, feed, fixed_cache, int_data
+from test_exact_cache import H, D, assert_same, assert_same_view, feed, fixed_cache, int_data, observable
 
 BUDGET = 12
 ROW = 2 * D * 4 + 4 + 8  # bytes of one row per (batch row, head): float32 K and V, score, position
@@ -188,7 +188,8 @@ def test_a_compression_clears_the_journal():
 
 def test_queries_that_do_not_fit_a_reloaded_or_trimmed_cache_raise_naming_the_shapes(tmp_path):
     """observe_queries on a query-calibrating cache with an empty journal (reloaded, or trimmed
-    back past every journaled call) raises the documented ValueError naming the shapes."""
+    back past every journaled call) raises the documented ValueError naming the shapes, before
+    anything changes (journal bytes, state); then queries that fit are taken."""
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=12, qfilters_calib_tokens=16,
                         qfilters_filter_source="queries", qfilters_max_rewind=2,
                         qfilters_backend="reference")
@@ -203,10 +204,15 @@ def test_queries_that_do_not_fit_a_reloaded_or_trimmed_cache_raise_naming_the_sh
     save_prompt_cache(str(tmp_path / "c.safetensors"), [c])
     r = load_prompt_cache(str(tmp_path / "c.safetensors"))[0]
     assert c.trim(3) == 3  # the journal (depth 2) held only the last call
+    r.queries_observed = True
     for x, offset in ((c, 3), (r, 6)):
+        before = observable(x)
         with pytest.raises(ValueError, match=rf"queries \(1, 4, 7, 8\) do not fit the cache "
                                              rf"\(B=1, H_kv=2, D=8, offset={offset}\)"):
             x.observe_queries(q)
+        assert_same_view(before, observable(x))
+        x.observe_queries(q[:, :, :offset])  # fits; the empty journal has no record to note it in
+        assert_same_view(before, observable(x))  # (the first queries are all kept already)
 
 
 # -------------------------------------------------------------------- bytes
@@ -242,3 +248,27 @@ def test_dropped_rows_are_the_rows_not_kept_ascending_past_float32_integers():
     out = dropped_rows(mx.array(kept.reshape(1, 1, 3)), (keys, keys, mx.zeros((1, 1, n)), pos))
     assert out[0].shape == (1, 1, n - 3, 1) and out[2].shape == (1, 1, n - 3)
     assert np.array_equal(np.array(out[3])[0, 0], np.delete(np.arange(n), kept))
+
+
+def test_queries_that_do_not_fit_change_nothing_not_even_the_journal():
+    """No state change before an error: queries that do not fit leave the journal (its bytes),
+    the kept queries and the pending flag as they were; the fitting ones are then noted in the
+    call's record (``journal_nbytes`` grows by exactly their bytes)."""
+    cfg = KVCacheConfig(method="qfilters", qfilters_budget=12, qfilters_calib_tokens=16,
+                        qfilters_filter_source="queries", qfilters_max_rewind=2,
+                        qfilters_backend="reference")
+    rng = np.random.default_rng(31)
+    k = mx.array(rng.standard_normal((1, H, 3, D)).astype(np.float32))
+    q = mx.array(rng.standard_normal((1, 2 * H, 5, D)).astype(np.float32))
+    c = QFiltersKVCache(cfg)
+    c.queries_observed = True  # as inside observe_queries
+    c.update_and_fetch(k, k)
+    before = observable(c)
+    for bad in (q, q[:, :3], q[..., :4]):  # too many tokens, H_q not a multiple of H_kv, wrong D
+        with pytest.raises(ValueError, match=r"do not fit the cache \(B=1, H_kv=2, D=8, offset=3\)"):
+            c.observe_queries(bad)
+        assert_same_view(before, observable(c))
+        assert c._queries_pending  # (still owed: the next update refuses)
+    c.observe_queries(q[:, :, :3])
+    assert c.journal_nbytes == before[-1] + q[:, :, :3].nbytes
+    np.testing.assert_array_equal(np.array(c.state[5]), np.array(q[:, :, :3]))

@@ -64,11 +64,13 @@ TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_st
          "tests/test_rewind.py", "tests/test_perhead_recent.py",
          "tests/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
          "tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
-         "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py"]
+         "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py",
+         "tests/test_exact_journal.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the tests written
 # for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
-                 "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py"]
+                 "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py",
+                 "tests/test_exact_journal.py"]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
 DESELECT = ["tests/test_rewind.py::test_speculative_kept_sets_equal_the_numpy_model_fed_the_same_calls",
@@ -127,7 +129,7 @@ def pytest_runtest_logreport(report):
 # a process that imported everything forks one child per survivor, which runs the
 # tests under that mutant (mutmut's trampolines read MUTANT_UNDER_TEST at call time).
 RECHECK = '''
-import json, os, sys
+import json, os, signal, sys, time
 sys.path.append(sys.argv[1])
 os.chdir(sys.argv[2])
 sys.path.insert(0, os.path.join(sys.argv[2], "src"))
@@ -135,12 +137,15 @@ import _qf_mutation_preload  # noqa: F401  (MLX imported, not run: fork-safe)
 import pytest
 tests, survivors = json.loads(sys.argv[3]), json.loads(sys.argv[4])
 out = {}
+limit = 0  # (no limit on the control; then 10x its time, at least 120 s: a hang under a mutant)
 # "" first: the unmutated code must pass the tests, or every "kill" would be false
 for name in ["", *survivors]:
     r, w = os.pipe()
+    start = time.monotonic()
     pid = os.fork()
     if pid == 0:
         os.close(r)
+        signal.alarm(limit)
         sys.stdout = sys.stderr = open(os.devnull, "w")
         os.environ["MUTANT_UNDER_TEST"] = name
         class First:
@@ -159,10 +164,13 @@ for name in ["", *survivors]:
     _, status = os.waitpid(pid, 0)
     if data:
         code, failed = json.loads(data)
+    elif os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+        code, failed = -signal.SIGALRM, f"(test process hung: no result within {limit} s)"
     else:  # the test process died: a crash under the mutant (the unmutated code passed)
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
         code, failed = -sig or -1, f"(test process crashed: signal {sig}, exit {os.waitstatus_to_exitcode(status)})"
     if not name:
+        limit = max(120, int(10 * (time.monotonic() - start)))
         if code != 0:
             print("CONTROL FAILED: the unmutated code fails", failed, flush=True)
             sys.exit(1)

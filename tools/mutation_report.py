@@ -7,8 +7,8 @@ Usage (after ``python tools/mutation.py ...`` and ``... --resume --recheck`` in 
 
 Per module: mutmut's counts (``killed``, ``survived``, ``timeout``, ``no_tests``,
 ``not_checked``), then the final verdict of every mutant mutmut did not count as killed:
-killed by a test of the recheck (its first failing test; or its test process crashed,
-the unmutated code having passed first), or ``equivalent: <reason>``
+killed by a test of the recheck (its first failing test; or its test process crashed or
+hung, the unmutated code having passed first), or ``equivalent: <reason>``
 from ``tools/mutation_equivalents.json`` (``[{function, diff, reason}]``: matched by the
 mutated function and the one-line diff, as mutmut renumbers mutants), or ``unexplained``
 (or ``not rechecked``). ``score`` is killed / (checked - equivalent), checked = every
@@ -106,8 +106,8 @@ def verdicts(work: Path, equivalents: dict, modules: dict, survivors: list) -> N
             elif r and r["exit_code"] == 1:
                 verdict = "killed by " + r["killed_by"]
                 final["killed"] += 1
-            elif r and r["exit_code"] < 0 and r["killed_by"].startswith("(test process crashed"):
-                # the recheck ran the unmutated code first (it passed): the suite fails on the mutant
+            elif r and r["exit_code"] < 0 and r["killed_by"].startswith("(test process"):
+                # crashed or hung (the recheck ran the unmutated code first: it passed)
                 verdict = "killed: " + r["killed_by"].strip("()")
                 final["killed"] += 1
             elif reason is not None:

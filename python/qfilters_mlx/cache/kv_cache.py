@@ -278,18 +278,23 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         they are all there, freezes the filter, scores the stored tokens and
         evicts down to the budget, exactly as a key-based cache does at the end
         of the call that crosses ``calib_tokens``.
+
+        Raises:
+            ValueError: ``queries`` not a 4-D array, no update before it, or a shape that
+                does not fit the cache (the message names both), before anything changes.
         """
-        self._queries_pending = False
         if not self.needs_queries:
+            self._queries_pending = False
             return
         if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
             raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
-        self._note_observed(queries)
         B, H, D = self._input_layout()[:3]
         if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != D
                 or queries.shape[2] > self.offset):
             raise ValueError(f"queries {tuple(queries.shape)} do not fit the cache "
                              f"(B={B}, H_kv={H}, D={D}, offset={self.offset})")
+        self._queries_pending = False
+        self._note_observed(queries)
         c = self.config.qfilters_calib_tokens
         have = 0 if self._queries is None else self._queries.shape[2]
         need = min(c, self.offset) - have
