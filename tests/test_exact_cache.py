@@ -119,6 +119,33 @@ def test_default_layer_is_layer_zero_for_the_random_arm():
     np.testing.assert_array_equal(pos[0], kept)
 
 
+def test_a_trim_back_into_calibration_waits_for_the_next_calls_queries_only():
+    """Once calibrated, observe_queries owes nothing; a trim back below ``calib_tokens`` drops
+    the filter (README, rewinds), and the next update goes ahead (no queries are owed from
+    before the trim) and re-estimates the filter exactly as a cache that never saw the
+    trimmed tokens (both fed the same kept queries and the same new call)."""
+    cfg = KVCacheConfig(method="qfilters", qfilters_budget=16, qfilters_calib_tokens=8,
+                        qfilters_filter_source="queries", qfilters_backend="reference")
+    rng = np.random.default_rng(41)
+    k = mx.array(rng.integers(-4, 5, size=(1, H, 16, D)).astype(np.float32))
+    q = mx.array(rng.integers(-4, 5, size=(1, 2 * H, 16, D)).astype(np.float32))
+    c, fresh = QFiltersKVCache(cfg), QFiltersKVCache(cfg)
+    c.queries_observed = fresh.queries_observed = True  # as inside observe_queries
+    for a, b in ((0, 10), (10, 11)):  # calibrates at 10 tokens, then a call owing nothing
+        c.update_and_fetch(k[:, :, a:b], k[:, :, a:b])
+        c.observe_queries(q[:, :, : b - a])
+    assert c.filter is not None and not c.needs_queries
+    assert c.trim(5) == 5 and c.filter is None and c.needs_queries
+    fresh.update_and_fetch(k[:, :, :6], k[:, :, :6])
+    fresh.observe_queries(q[:, :, :6])
+    for x in (c, fresh):
+        x.update_and_fetch(k[:, :, 11:14], k[:, :, 11:14])
+        x.observe_queries(q[:, :, 11:14])
+    assert c.filter is not None
+    np.testing.assert_array_equal(np.array(c.filter), np.array(fresh.filter))
+    np.testing.assert_array_equal(np.array(c.state[5]), np.array(fresh.state[5]))
+
+
 def test_query_calibrated_cache_refuses_updates_outside_observe_queries():
     """README: a cache estimating its filter from queries must run inside observe_queries;
     a fresh one (never observed) raises before storing anything."""
