@@ -40,6 +40,20 @@ def fixed_cache(f, budget=12, n_sink=2, recent=2, depth=0, backend="reference", 
     return QFiltersKVCache(cfg, filters=mx.array(f))
 
 
+def observed_query_cache(seed, T, Tq, **kw):
+    """A query-calibrating cache (reference backend, config ``kw``) as inside an
+    ``observe_queries`` block, with Gaussian keys ``[1, H, T, D]`` and GQA queries
+    ``[1, 2 H, Tq, D]`` (float32 MLX): ``(cache, keys, queries)``."""
+    cfg = KVCacheConfig(method="qfilters", qfilters_filter_source="queries",
+                        qfilters_backend="reference", **kw)
+    rng = np.random.default_rng(seed)
+    k = mx.array(rng.standard_normal((1, H, T, D)).astype(np.float32))
+    q = mx.array(rng.standard_normal((1, 2 * H, Tq, D)).astype(np.float32))
+    c = QFiltersKVCache(cfg)
+    c.queries_observed = True  # as inside observe_queries
+    return c, k, q
+
+
 def feed(cache, k, v, chunks, start=0):
     for L in chunks:
         cache.update_and_fetch(mx.array(k[:, :, start:start + L]), mx.array(v[:, :, start:start + L]))

@@ -27,7 +27,8 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.cache.journal import dropped_rows
-from test_exact_cache import H, D, assert_same, assert_same_view, feed, fixed_cache, int_data, observable
+from test_exact_cache import (H, D, assert_same, assert_same_view, feed, fixed_cache, int_data, observable,
+                              observed_query_cache)
 
 BUDGET = 12
 ROW = 2 * D * 4 + 4 + 8  # bytes of one row per (batch row, head): float32 K and V, score, position
@@ -190,14 +191,8 @@ def test_queries_that_do_not_fit_a_reloaded_or_trimmed_cache_raise_naming_the_sh
     """observe_queries on a query-calibrating cache with an empty journal (reloaded, or trimmed
     back past every journaled call) raises the documented ValueError naming the shapes, before
     anything changes (journal bytes, state); then queries that fit are taken."""
-    cfg = KVCacheConfig(method="qfilters", qfilters_budget=12, qfilters_calib_tokens=16,
-                        qfilters_filter_source="queries", qfilters_max_rewind=2,
-                        qfilters_backend="reference")
-    rng = np.random.default_rng(26)
-    k = mx.array(rng.standard_normal((1, H, 6, D)).astype(np.float32))
-    q = mx.array(rng.standard_normal((1, 2 * H, 7, D)).astype(np.float32))
-    c = QFiltersKVCache(cfg)
-    c.queries_observed = True  # as inside observe_queries
+    c, k, q = observed_query_cache(26, 6, 7, qfilters_budget=12, qfilters_calib_tokens=16,
+                                   qfilters_max_rewind=2)
     for L in (3, 3):
         c.update_and_fetch(k[:, :, :L], k[:, :, :L])
         c.observe_queries(q[:, :, :L])
@@ -254,14 +249,8 @@ def test_queries_that_do_not_fit_change_nothing_not_even_the_journal():
     """No state change before an error: queries that do not fit leave the journal (its bytes),
     the kept queries and the pending flag as they were; the fitting ones are then noted in the
     call's record (``journal_nbytes`` grows by exactly their bytes)."""
-    cfg = KVCacheConfig(method="qfilters", qfilters_budget=12, qfilters_calib_tokens=16,
-                        qfilters_filter_source="queries", qfilters_max_rewind=2,
-                        qfilters_backend="reference")
-    rng = np.random.default_rng(31)
-    k = mx.array(rng.standard_normal((1, H, 3, D)).astype(np.float32))
-    q = mx.array(rng.standard_normal((1, 2 * H, 5, D)).astype(np.float32))
-    c = QFiltersKVCache(cfg)
-    c.queries_observed = True  # as inside observe_queries
+    c, k, q = observed_query_cache(31, 3, 5, qfilters_budget=12, qfilters_calib_tokens=16,
+                                   qfilters_max_rewind=2)
     c.update_and_fetch(k, k)
     before = observable(c)
     for bad in (q, q[:, :3], q[..., :4]):  # too many tokens, H_q not a multiple of H_kv, wrong D

@@ -28,7 +28,7 @@ from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.backends import metal as metal_module
 from qfilters_mlx.backends import reference
 from qfilters_mlx.backends.base import Backend
-from test_exact_cache import H, D, assert_same, feed, fixed_cache, int_data, observable
+from test_exact_cache import assert_same, feed, fixed_cache, int_data, observable, observed_query_cache
 
 
 def _has_cpp() -> bool:
@@ -90,18 +90,12 @@ def test_a_copy_is_unobserved_like_a_fresh_cache(how):
     """A copy is not the cache an observe_queries block registered: its ``queries_observed`` is
     the fresh cache's ``False``, its first update outside a block raises naming
     observe_queries (nothing stored), and inside a new block it grows like the original."""
-    cfg = KVCacheConfig(method="qfilters", qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
-                        qfilters_calib_tokens=8, qfilters_filter_source="queries",
-                        qfilters_backend="reference")
-    rng = np.random.default_rng(3)
-    k = mx.array(rng.standard_normal((1, H, 4, D)).astype(np.float32))
-    q = mx.array(rng.standard_normal((1, 2 * H, 4, D)).astype(np.float32))
-    c = QFiltersKVCache(cfg)
-    c.queries_observed = True  # as inside observe_queries
+    c, k, q = observed_query_cache(3, 4, 4, qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
+                                   qfilters_calib_tokens=8)
     c.update_and_fetch(k, k)
     c.observe_queries(q)
     twin = _copy(c, how)
-    fresh = QFiltersKVCache(cfg).queries_observed
+    fresh = QFiltersKVCache(c.config).queries_observed
     assert fresh is False and twin.queries_observed is fresh and c.queries_observed is True
     with pytest.raises(ValueError, match=r"observe_queries\(model, caches\)"):
         twin.update_and_fetch(k, k)
