@@ -59,18 +59,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/scorers.py", "cache/journal.py",
            "cache/slots.py", "cache/persistence.py", "cache/rewind.py"]
-TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_step.py",
-         "tests/test_cache_oracle.py", "tests/test_properties.py", "tests/test_cache_round_trip.py",
-         "tests/test_rewind.py", "tests/test_perhead_recent.py",
-         "tests/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
-         "tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
-         "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py",
-         "tests/test_exact_journal.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the tests written
 # for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
                  "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py",
                  "tests/test_exact_journal.py"]
+TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_step.py",
+         "tests/test_cache_oracle.py", "tests/test_properties.py", "tests/test_cache_round_trip.py",
+         "tests/test_rewind.py", "tests/test_perhead_recent.py",
+         "tests/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
+         *RECHECK_TESTS]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
 DESELECT = ["tests/test_rewind.py::test_speculative_kept_sets_equal_the_numpy_model_fed_the_same_calls",
@@ -313,7 +311,7 @@ def main() -> int:
     env = dict(os.environ, QF_TEST_EXAMPLES_SCALE=a.examples_scale, PYTHONPATH="")
     if a.recheck is not None:
         extra = a.recheck or [*RECHECK_TESTS, *a.deselect]
-        return recheck(workdir, extra, [*a.tests, *extra], a.mutmut_path, env)
+        return recheck(workdir, extra, list(dict.fromkeys([*a.tests, *extra])), a.mutmut_path, env)
     mutmut(["run", "--max-children", str(a.max_children), *a.only], a.mutmut_path, workdir, env,
            log=workdir / "run.log")
     mutmut(["export-cicd-stats"], a.mutmut_path, workdir, env)
