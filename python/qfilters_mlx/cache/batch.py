@@ -66,6 +66,7 @@ class BatchQFiltersCache(_BaseCache):
             raise ValueError(f"left_padding has {len(self._skip)} entries for {len(caches)} rows")
         self._remaining = [None] * len(caches)
         self._last = None  # plan of the last update, for observe_queries
+        self._last_kv = None  # what the last update returned (keys_and_values)
 
     # ------------------------------------------------------------ batch protocol
     @classmethod
@@ -98,6 +99,7 @@ class BatchQFiltersCache(_BaseCache):
         self._skip = [self._skip[i] for i in idx]
         self._remaining = [self._remaining[i] for i in idx]
         self._last = None
+        self._last_kv = None
 
     def extend(self, other: "BatchQFiltersCache") -> None:
         """Append the rows of ``other`` (rows joining mid-generation).
@@ -115,6 +117,7 @@ class BatchQFiltersCache(_BaseCache):
         self._skip += other._skip
         self._remaining += other._remaining
         self._last = None
+        self._last_kv = None
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         """Announce padding of the next call(s), as mlx-lm's batch caches take it.
@@ -158,6 +161,9 @@ class BatchQFiltersCache(_BaseCache):
         B, H, N = keys.shape[:3]
         if B != len(self.caches):
             raise ValueError(f"keys hold {B} sequences for {len(self.caches)} batch rows")
+        if N == 0:
+            raise ValueError("keys must hold at least one token (L >= 1)")
+        self._last_kv = None
         plan = plan_rows(N, self._skip, self._remaining)
         sizes = self._sizes(plan)
         # Evaluate (or schedule) this layer's inputs once: each row then walks only its own graph.
@@ -174,7 +180,24 @@ class BatchQFiltersCache(_BaseCache):
                 raise ValueError(f"row {i} returned {out[0].shape[2]} keys, expected {sizes[i] + n}")
         self._last = plan
         S = max(max(sizes[i] + n for i, (_, n) in enumerate(plan)), 1)
-        return _stack(outs, keys, values, S)
+        out = _stack(outs, keys, values, S)
+        if self.caches[0].keep_last_kv:
+            self._last_kv = out
+        return out
+
+    def keys_and_values(self):
+        """What the last :meth:`update_and_fetch` returned (``[B, H_kv, S, D]`` each, rows
+        left-padded), as :meth:`QFiltersKVCache.keys_and_values` for a batch.
+
+        Raises:
+            ValueError: the rows do not keep it (``keep_last_kv``), or no update since the
+                batch was built, filtered, extended or trimmed.
+        """
+        if not self.caches[0].keep_last_kv:
+            self.caches[0].keys_and_values()  # raises, naming keep_last_kv
+        if self._last_kv is None:
+            raise ValueError("keys_and_values() before any update_and_fetch of this batch")
+        return self._last_kv
 
     def _sizes(self, plan) -> list[int]:
         """Each row's stored tokens before this call, after the compress-once trigger of its
@@ -242,14 +265,23 @@ class BatchQFiltersCache(_BaseCache):
         return all(c.is_trimmable() for c in self.caches)
 
     def trim(self, n: int) -> int:
-        """Trim ``n`` tokens from every row (as ``BatchKVCache.trim``).
+        """Trim ``n`` tokens from every row (as ``BatchKVCache.trim``); all rows or none.
 
         Raises:
-            ValueError: the rows would trim different numbers of tokens.
+            ValueError: some row cannot rewind ``n`` tokens, or the rows would trim
+                different numbers of tokens; checked for every row before any changes.
         """
+        counts = []
+        for i, c in enumerate(self.caches):
+            try:
+                counts.append(c.trim_count(n))
+            except ValueError as err:
+                raise ValueError(f"trim({n}): row {i} cannot: {err}; no row was trimmed") from err
+        if len(set(counts)) > 1:
+            raise ValueError(f"trim({n}): the rows would trim {counts} tokens; no row was trimmed "
+                             "(trim rows one by one)")
+        self._last_kv = None
         done = [c.trim(n) for c in self.caches]
-        if len(set(done)) > 1:
-            raise ValueError(f"trim({n}): rows trimmed {done} tokens; trim rows one by one")
         return done[0] if done else 0
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
