@@ -30,6 +30,7 @@ an unfinished ``prepare`` is not saved).
 from __future__ import annotations
 
 import copy
+import json
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
@@ -39,7 +40,7 @@ from qfilters_mlx.cache.batch_rows import check_rows, padded_mask, plan_rows
 
 __all__ = ["BatchQFiltersCache"]
 
-_ROW_STATE = 7  # entries of one QFiltersKVCache state
+_META = 6  # index of the JSON meta in a row's state (7 entries; 8 with kv_bits: + fp_keys)
 
 
 class BatchQFiltersCache(_BaseCache):
@@ -176,8 +177,8 @@ class BatchQFiltersCache(_BaseCache):
             self._skip[i] -= s
             if self._remaining[i] is not None:
                 self._remaining[i] -= n
-            if out is not None and out[0].shape[2] != sizes[i] + n:
-                raise ValueError(f"row {i} returned {out[0].shape[2]} keys, expected {sizes[i] + n}")
+            if out is not None and _rows(out[0]) != sizes[i] + n:
+                raise ValueError(f"row {i} returned {_rows(out[0])} keys, expected {sizes[i] + n}")
         self._last = plan
         S = max(max(sizes[i] + n for i, (_, n) in enumerate(plan)), 1)
         out = _stack(outs, keys, values, S)
@@ -284,32 +285,71 @@ class BatchQFiltersCache(_BaseCache):
         done = [c.trim(n) for c in self.caches]
         return done[0] if done else 0
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Refused: quantized storage (``kv_bits``) is per-sequence only for now (a batch
-        pads its rows' K/V into one array; quantized rows are packed tuples).
+    # ------------------------------------------------------------ quantized rows (kv_bits)
+    @property
+    def bits(self) -> int:
+        """The rows' ``kv_bits`` (mlx-lm's attention takes the quantized path when a cache has
+        ``bits``); absent (``AttributeError``) when the rows store K/V unquantized."""
+        bits = self.caches[0].config.kv_bits if self.caches else None
+        if bits is None:
+            raise AttributeError("bits")
+        return bits
+
+    @property
+    def group_size(self) -> int:
+        """The rows' ``kv_group_size``; absent when the rows are unquantized (see :attr:`bits`)."""
+        self.bits  # noqa: B018 - raises AttributeError for unquantized rows
+        return self.caches[0].config.kv_group_size
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "BatchQFiltersCache":
+        """The batch with every row converted by ``QFiltersKVCache.to_quantized`` (each row
+        continues exactly as it would alone); pending padding carries over.
+
+        The rows are converted into new caches; this batch is not changed.
 
         Raises:
-            ValueError: always, naming ``kv_bits``, before any state changes.
+            ValueError: what a row's ``to_quantized`` raises.
         """
-        raise ValueError(f"kv_bits={bits} (quantized KV storage) is not supported for batched "
-                         "generation (BatchQFiltersCache): run the batch without kv_bits, or "
-                         "generate per sequence with kv_bits")
+        rows = [c.to_quantized(group_size=group_size, bits=bits) for c in self.caches]
+        out = BatchQFiltersCache(rows)
+        out._skip, out._remaining = list(self._skip), list(self._remaining)
+        return out
 
     @property
     def state(self):
-        """Every row's ``state`` (7 entries each), in row order."""
+        """Every row's ``state`` (7 entries each; 8 for quantized rows), in row order."""
         return tuple(x for c in self.caches for x in c.state)
 
     @state.setter
     def state(self, v):
-        if len(v) % _ROW_STATE:
-            raise ValueError(f"state must hold {_ROW_STATE} entries per row, got {len(v)}")
         # The row class as mlx-lm's loader resolves it (registered by qfilters_mlx.cache.kv_cache,
         # which mlx-lm's cache module imports through qfilters_mlx.prompt_cache_hook).
-        row_class = mlx_cache.QFiltersKVCache
-        rows = [row_class.from_state(tuple(v[i : i + _ROW_STATE]))
-                for i in range(0, len(v), _ROW_STATE)]
+        rows, i = [], 0
+        while i < len(v):
+            if i + _META >= len(v) or not isinstance(v[i + _META], str):
+                raise ValueError(f"state: row {len(rows)} has no meta string at entry {i + _META}")
+            cls, n = _row_class(v[i + _META])
+            if i + n > len(v):
+                raise ValueError(f"state: row {len(rows)} needs {n} entries, {len(v) - i} left")
+            rows.append(cls.from_state(tuple(v[i : i + n])))
+            i += n
         self.__init__(rows)
+
+
+def _row_class(meta: str) -> tuple:
+    """``(class, state entries)`` of a saved row from its meta: quantized storage (8 entries)
+    when its config has ``kv_bits``, else 7 (classes resolved in mlx-lm's cache module, where
+    ``qfilters_mlx.cache.kv_cache`` registers both)."""
+    try:
+        quantized = json.loads(meta)["config"].get("kv_bits") is not None
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"state: bad row meta ({err})") from err
+    return (mlx_cache.QuantizedQFiltersKVCache, 8) if quantized else (mlx_cache.QFiltersKVCache, 7)
+
+
+def _rows(k) -> int:
+    """Rows of returned keys: an array, or a quantized ``(packed, scales, biases)`` triple."""
+    return (k[0] if isinstance(k, tuple) else k).shape[2]
 
 
 def _ints(x) -> list[int]:
@@ -317,18 +357,31 @@ def _ints(x) -> list[int]:
 
 
 def _stack(outs, keys, values, S):
-    """Concatenate per-row outputs along the batch, left-padding each to ``S`` with zeros."""
-    def rows(j, like):
-        res = []
-        for out in outs:
-            x = None if out is None else out[j]
-            n = S - (0 if x is None else x.shape[2])
-            if n:
-                z = mx.zeros((1, like.shape[1], n, like.shape[3]), like.dtype)
-                x = z if x is None else mx.concatenate([z, x], axis=2)
-            res.append(x)
+    """Concatenate per-row outputs along the batch, left-padding each to ``S`` with zeros.
+
+    Quantized rows return ``(packed, scales, biases)`` triples: each part is padded and
+    stacked (zero words, scales and biases dequantize to zeros, which the mask hides). A
+    row that got no tokens this call (``None``) is all padding, shaped like the others."""
+    template = next((out for out in outs if out is not None), None)
+
+    def pad(x, like):
+        n = S - (0 if x is None else x.shape[2])
+        if n == 0:
+            return x
+        z = mx.zeros((1, like.shape[1], n, like.shape[3]), like.dtype)
+        return z if x is None else mx.concatenate([z, x], axis=2)
+
+    def part(j, fallback):
+        like = fallback if template is None else template[j]
+        if isinstance(like, tuple):
+            res = [tuple(pad(None if out is None else out[j][m], like[m]) for m in range(len(like)))
+                   for out in outs]
+            return tuple(res[0][m] if len(res) == 1 else mx.concatenate([r[m] for r in res], axis=0)
+                         for m in range(len(like)))
+        res = [pad(None if out is None else out[j], like) for out in outs]
         return res[0] if len(res) == 1 else mx.concatenate(res, axis=0)
-    return rows(0, keys), rows(1, values)
+
+    return part(0, keys), part(1, values)
 
 
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module.

@@ -31,7 +31,7 @@ def _describe_difference(a, b) -> str | None:
 def check_rows(caches: list, what: str = "merge") -> None:
     """Check that ``caches`` (per-sequence eviction caches) may be the rows of one batch.
 
-    Rows with quantized storage (``kv_bits``) are refused. Every row must be the same
+    Every row must be the same
     eviction cache class (never a plain mlx-lm cache:
     a batch never silently becomes one), hold at most one sequence (batch size 1)
     and share the configuration (``KVCacheConfig`` equality: method, budget,
@@ -47,12 +47,6 @@ def check_rows(caches: list, what: str = "merge") -> None:
     first = caches[0]
     if not isinstance(getattr(first, "config", None), KVCacheConfig):
         raise ValueError(f"{what}: row 0 is a {type(first).__name__}, not a Q-Filters eviction cache")
-    bits = first.config.kv_bits
-    if bits is not None:
-        raise ValueError(
-            f"{what}: kv_bits={bits} (quantized KV storage) is not supported for batched generation "
-            "(BatchQFiltersCache pads its rows' K/V into one array; quantized rows are packed "
-            "tuples): run the batch without kv_bits, or generate per sequence with kv_bits")
     for i, c in enumerate(caches):
         if type(c) is not type(first):
             raise ValueError(
