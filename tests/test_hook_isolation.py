@@ -56,21 +56,15 @@ def test_observing_one_model_leaves_another_threads_model_alone():
         got, errors = {}, []
         start = threading.Barrier(2)
 
-        def a():
+        def work(name, fn, model):
             try:
                 start.wait()
-                got["a"] = watched_run(model_a)
+                got[name] = fn(model)
             except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(f"A: {type(e).__name__}: {e}")
+                errors.append(f"{name}: {type(e).__name__}: {e}")
 
-        def b():
-            try:
-                start.wait()
-                got["b"] = plain_run(model_b)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(f"B: {type(e).__name__}: {e}")
-
-        threads = [threading.Thread(target=f) for f in (a, b)]
+        threads = [threading.Thread(target=work, args=("a", watched_run, model_a)),
+                   threading.Thread(target=work, args=("b", plain_run, model_b))]
         for t in threads:
             t.start()
         for t in threads:
