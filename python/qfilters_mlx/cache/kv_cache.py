@@ -60,6 +60,8 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         offset: absolute number of tokens fed (the RoPE position of the next token).
         filter: ``[H_kv, D]`` float32 Q-Filter once calibrated, else ``None``.
         keys, values: ``[B, H_kv, capacity, D]`` buffers; rows ``[0, size())`` are live.
+        keep_last_kv: keep what the last update returned for :meth:`keys_and_values`
+            (layers whose K/V another layer reads; set by ``KVCacheBuilder.for_model``).
 
     Raises:
         TypeError: ``config`` is not a :class:`KVCacheConfig`.
