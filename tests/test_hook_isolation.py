@@ -20,8 +20,8 @@ from qfilters_mlx import KVCacheConfig, QFiltersKVCache, observe_queries
 RUNS, BUDGET, CALIB = 200, 8, 8
 CFG = KVCacheConfig(qfilters_budget=BUDGET, qfilters_n_sink=1, qfilters_recent=2, qfilters_calib_tokens=CALIB,
                     qfilters_filter_source="queries", qfilters_sign=1)
-PROMPT = mx.array([[(5 * i + 1) % 64 for i in range(12)]])
-STEPS = 6  # single-token steps after the prompt
+PROMPT = mx.array([[(5 * i + 1) % 64 for i in range(10)]])
+STEPS = 3  # single-token steps after the prompt
 
 
 def watched_run(model):
