@@ -31,8 +31,7 @@ def _describe_difference(a, b) -> str | None:
 def check_rows(caches: list, what: str = "merge") -> None:
     """Check that ``caches`` (per-sequence eviction caches) may be the rows of one batch.
 
-    Every row must be the same
-    eviction cache class (never a plain mlx-lm cache:
+    Every row must be the same eviction cache class (never a plain mlx-lm cache:
     a batch never silently becomes one), hold at most one sequence (batch size 1)
     and share the configuration (``KVCacheConfig`` equality: method, budget,
     sinks, recent window, calibration, sign, backend, ...), the layer index and,
