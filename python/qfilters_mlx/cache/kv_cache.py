@@ -239,7 +239,7 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 
         Raises:
             TypeError, ValueError: bad rank, dtype, shape change, ``L == 0``;
-            raised before any state changes.
+                raised before any state changes.
         """
         self._validate(keys, values)
         self._before_call(keys.shape[2])  # compress-once trigger (before anything is stored)
