@@ -56,7 +56,7 @@ def test_tradeoff_table_against_the_json():
     s = results["settings"]
     total = s["ppl_prefix"] + s["ppl_scored"]
     assert rows[0] == "| | full cache | " + " | ".join(f"budget {b}" for b in s["budgets"]) + " |"
-    cells = [r.strip("|").split(" | ") for r in rows[2:]]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
     assert [float(c.rstrip("%")) for c in cells[0][2:]] == [round(100 * b / total, 1) for b in s["budgets"]]
     for cell, arm in zip(cells[1:], ("streaming_llm@{}", "qfilters-calibrated@r1/2@{}")):
         assert float(cell[1]) == round(results["perplexity"]["full"]["ppl"], 2)

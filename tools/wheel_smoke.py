@@ -38,7 +38,8 @@ def check(ok: bool, what: str) -> None:
 
 def run(*argv: str) -> str:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=600)
-    check(proc.returncode == 0, f"{' '.join(argv)} exits 0 (stderr: {proc.stderr[-2000:]})")
+    if proc.returncode != 0:
+        check(False, f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr[-3000:]}")
     return proc.stdout
 
 
@@ -77,7 +78,7 @@ def main() -> None:
           "the C++ extension keeps the reference backend's positions")
 
     cli = str(BIN / "qfilters-mlx")
-    out = run(cli, "--version")
+    out = run(cli, "--version")  # argparse's version action
     check(out.strip() == f"qfilters-mlx {version}", f"qfilters-mlx --version prints {out.strip()!r}")
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_model(Path(tmp) / "tiny"))
