@@ -5,8 +5,8 @@ place in the repository: ``docs/x.md`` from README.md, ``../bench/results/y.md``
 page of docs/. For the site:
 
 - README.md becomes the home page (``index.md``);
-- every repository file a page links to outside docs/ (results files, plots, the
-  changelog) is copied into the site under ``repo/`` (Markdown ones rendered as pages),
+- CHANGELOG.md, and every repository file a page links to outside docs/ (results files,
+  plots), is copied into the site under ``repo/`` (Markdown ones rendered as pages),
   found transitively, and a link to a file that does not exist stops the build, naming
   the page and the link;
 - each such link is rewritten to the file's place in the site, so MkDocs' own checks
@@ -72,8 +72,9 @@ def _linked(source: Path) -> list[Path]:
 
 
 def on_files(files, config):
-    copied = {}
-    todo = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    changelog = REPO / "CHANGELOG.md"  # in the site's navigation
+    copied = {_site_path(changelog): changelog}
+    todo = [REPO / "README.md", changelog, *sorted(DOCS.glob("*.md"))]
     seen = set(todo)
     while todo:
         source = todo.pop()
