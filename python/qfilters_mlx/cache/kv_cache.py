@@ -246,7 +246,7 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 
         Raises:
             TypeError, ValueError: bad rank, dtype, shape change, ``L == 0``;
-            raised before any state changes.
+                raised before any state changes.
         """
         self._validate(keys, values)
         self._last_kv = None  # released before the buffers are written
