@@ -159,7 +159,7 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
             self._n = n + L
             return
         if self.keys is None or n + L > self.keys.shape[2]:
-            cap = self.step * math.ceil((n + L) / self.step)
+            cap = self._capacity(n, L)
 
             def grow(buf, new_shape, dtype):
                 fresh = mx.zeros(new_shape, dtype)
@@ -177,6 +177,19 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         if new_scores is not None:
             self.scores[:, :, n : n + L] = new_scores
         self._n = n + L
+
+    def _capacity(self, n: int, L: int) -> int:
+        """Rows to allocate for ``n`` live rows plus a call of ``L``: the smallest multiple of
+        ``step`` holding them; for a cache that evicts to a fixed budget, at most
+        ``max(n + L, budget + 1)`` (``budget + 1``: a conversation up to the budget and its first
+        decode step after it; ``n + L`` when the call goes past that, evicted to the budget at
+        its end). So a conversation never allocates more than the budget plus the chunk being
+        processed, and the capacity depends only on ``n + L`` (a trimmed cache equals one never
+        fed the trimmed rows)."""
+        cap = self.step * math.ceil((n + L) / self.step)
+        if self.method == "full" or self.config.compress_once:
+            return cap
+        return min(cap, max(n + L, self.config.qfilters_budget + 1))
 
     def _store_rows(self, keys, values):
         """The rows as stored (as given here; :mod:`.quantized` packs them)."""
