@@ -63,6 +63,7 @@ class Served:
         max_rewind: tokens the caches can rewind after an eviction (a draft model's
             ``num_draft_tokens`` must not exceed it).
         has_draft: a draft model is served.
+        default_draft_tokens: ``num_draft_tokens`` of a request that gives none.
         takes_images: the model has an image processor.
     """
 
@@ -73,6 +74,7 @@ class Served:
     vocab_size: int = 2**31 - 1
     max_rewind: int = 0
     has_draft: bool = False
+    default_draft_tokens: int = 3
     takes_images: bool = False
 
 
@@ -289,10 +291,9 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
     if so is not None:
         if not isinstance(so, dict):
             raise RequestError("stream_options", "must be an object")
-        _bool(so, "include_usage")
-        so.setdefault("include_usage", False)
-        if so["include_usage"] is None:
-            so["include_usage"] = False
+        if not isinstance(so.get("include_usage", False), (bool, type(None))):
+            raise RequestError("stream_options", "include_usage must be true or false")
+        so["include_usage"] = bool(so.get("include_usage"))
     _names(body, "model", served.model_names, served.allow_switch, "model")
     _names(body, "draft_model", served.draft_names | {"default_model"}, served.allow_switch,
            "draft model")
@@ -322,8 +323,8 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
         raise RequestError("chat_template_kwargs", "must be an object")
     _int(body, "num_draft_tokens", 0, 64)
     drafting = served.has_draft or body.get("draft_model") not in (None, "default_model")
-    ndt = body.get("num_draft_tokens")
-    if drafting and ndt is not None and ndt > served.max_rewind:
+    ndt = body.get("num_draft_tokens", served.default_draft_tokens)
+    if drafting and ndt > served.max_rewind:
         raise RequestError("num_draft_tokens", f"at most {served.max_rewind}: the caches rewind "
                                                f"{served.max_rewind} tokens after an eviction "
                                                "(server flag --max-rewind)")

@@ -1,0 +1,100 @@
+"""``qfilters-mlx server`` (SmolLM2, a subprocess on 127.0.0.1) against the bad-input corpus of
+``tests/server_corpus.py``: every case gets its expected status (the error naming the field),
+the server then answers the good request exactly as before it, the generation loop never
+restarts and nothing is logged as a traceback; a ``--filters`` file that is not a filters file
+stops the start; CORS allows no origin by default; a completion logs one "request done" line;
+stored short conversations hold ``budget + 1`` rows per layer each (``/health``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from server_corpus import CHAT, GOOD_CHAT, TEXT, Case, ServerProcess, answer, cases, get_json, post_json, send
+
+pytestmark = pytest.mark.integration
+
+BUDGET = 64
+
+
+def _argv(model_path, *extra):
+    return [sys.executable, "-m", "qfilters_mlx.commands.cli", "server", "--model", str(model_path),
+            "--budget", str(BUDGET), *extra]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc = ServerProcess(_argv(model_path, "--decode-concurrency", "2"), log, env=_env())
+    yield proc
+    proc.stop()
+
+
+def test_every_bad_request_is_refused_and_the_next_good_one_is_unchanged(server):
+    status, first = post_json(server.port, CHAT, GOOD_CHAT)
+    assert status == 200, first
+    reference = answer(first)
+    assert reference and "capital" in reference
+    wrong = []
+    for case in cases():
+        status, raw = send(server.port, case)
+        param = None
+        if status is not None and status < 500 and raw.startswith(b"{"):
+            param = json.loads(raw).get("error", {}).get("param")
+        if status != case.status or (case.param is not None and param != case.param):
+            wrong.append((case.name, status, param, raw[:160]))
+        assert server.alive(), f"server died on {case.name}"
+        status, reply = post_json(server.port, CHAT, GOOD_CHAT)
+        assert status == 200 and answer(reply) == reference, (case.name, status, reply)
+    assert not wrong, wrong
+    status, health = get_json(server.port, "/health")
+    assert status == 200 and health["generation_loop_restarts"] == 0, health
+    log = open(server.log_path).read()
+    assert "Traceback" not in log and "generation loop failed" not in log
+
+
+def test_no_cors_origin_and_one_log_line_per_completion(server):
+    case = Case("cors", TEXT, json.dumps({"prompt": "The sky is", "max_tokens": 3}).encode(), 200,
+                headers={"Origin": "http://evil.example"})
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", case.path, body=case.raw, headers={**case.headers, "Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    assert r.status == 200 and r.getheader("Access-Control-Allow-Origin") is None
+    before = open(server.log_path).read().count("request done")
+    status, _ = post_json(server.port, TEXT, {"prompt": "One two three", "max_tokens": 3})
+    assert status == 200
+    assert open(server.log_path).read().count("request done") == before + 1
+
+
+def test_stored_short_conversations_hold_budget_plus_one_rows(server):
+    """Conversations shorter than the budget: each stored cache holds ``budget + 1`` rows per
+    layer (the rule of ``QFiltersKVCache._capacity``), and the bytes reported are the caches'
+    own ``nbytes`` sum: rows x (K + V row bytes + float32 score + int64 position) x layers,
+    plus the float32 filter once estimated (never here: fewer than 128 tokens)."""
+    for i in range(3):
+        status, _ = post_json(server.port, TEXT, {"prompt": f"Count to {i + 3}:", "max_tokens": 3})
+        assert status == 200
+    status, health = get_json(server.port, "/health")
+    stored = health["stored"]
+    assert stored["sequences"] > 0
+    assert stored["rows_per_layer"] == stored["sequences"] * (BUDGET + 1), stored
+    layers, kv_heads, head_dim = 30, 3, 64
+    row_bytes = kv_heads * (2 * head_dim * 4 + 4 + 8)
+    assert stored["bytes"] == stored["rows_per_layer"] * row_bytes * layers, stored
+
+
+def test_a_filters_file_that_is_not_one_stops_the_start(model_path, tmp_path):
+    with pytest.raises(RuntimeError, match="cannot serve"):
+        ServerProcess(_argv(model_path, "--filters", str(model_path / "model.safetensors")),
+                      tmp_path / "bad.log", env=_env(), start_timeout=120)
