@@ -201,6 +201,25 @@ def test_buffers_grow_in_step_blocks_and_nbytes_counts_them(tmp_path):
     assert r.nbytes == bytes_at(cap_rows(11, 600))
 
 
+@pytest.mark.parametrize("chunks", [[45], [44] + [1] * 30, [10] * 9, [100, 1, 1], [3, 200, 1, 60, 1]])
+def test_a_budgeted_cache_never_holds_more_than_the_budget_plus_the_chunk(chunks):
+    """After every call the buffers hold at most ``max(budget + 1, rows before + L)`` rows
+    (``budget + 1``: the budget and the decode step that first evicts; ``rows before + L``:
+    the chunk being processed, evicted at the end of the call), for any chunking; a
+    conversation shorter than the budget holds ``budget + 1`` rows, not a 256-row block."""
+    budget = 64
+    k, v, f = int_data(sum(chunks), seed=21)
+    c = fixed_cache(f, budget=budget, n_sink=4, recent=8)
+    start = 0
+    for L in chunks:
+        before = c.size()
+        start = feed(c, k, v, [L], start)
+        assert c.keys.shape[2] <= max(budget + 1, before + L)
+        assert c.nbytes == bytes_at(c.keys.shape[2])
+    if sum(chunks) <= budget:
+        assert c.keys.shape[2] == budget + 1
+
+
 def test_compress_once_growth_appends_into_step_blocks():
     """Compress-once: the compression keeps exactly K rows; later tokens are appended (no
     eviction without qfilters_growth) into buffers grown in 256-row blocks."""

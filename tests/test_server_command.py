@@ -80,3 +80,47 @@ def test_stored_conversations_never_ask_for_a_rewind_the_cache_cannot_do():
     assert rest == [99, 98] and cache[0].offset == 37
     cache, rest = store.fetch_nearest_cache("m", toks[:20] + [99])  # 20 back: the prefix instead
     assert rest == toks[10:20] + [99] and cache[0].offset == 10
+
+
+def test_the_generation_loop_restarts_and_fails_the_requests_in_flight():
+    """mlx-lm's loop dies on an uncaught exception ("generation thread died" for every later
+    request); ours restarts it, and a request it had taken gets a GenerationFailed (HTTP 500)."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    import mlx_lm.server as mlx_server
+
+    from qfilters_mlx.commands.server_http import GenerationFailed, error_status, generator_class
+
+    calls = []
+
+    class Provider:
+        cli_args = SimpleNamespace()
+
+        def load_default(self):
+            calls.append(1)
+            if len(calls) == 2:  # the second pass of the loop fails once a request was taken
+                raise RuntimeError("boom")
+
+    gen = None
+
+    class Failing(generator_class(mlx_server)):
+        def _generate(self):
+            self.model_provider.load_default()
+            while not self._stop:
+                if self._next_request(timeout=0.05) is not None:
+                    raise RuntimeError("a request broke the loop")
+
+    gen = Failing(Provider(), mlx_server.LRUPromptCache(2))
+    try:
+        reply = queue.Queue()
+        gen.requests.put((reply, None, None))
+        err = reply.get(timeout=10)
+        assert isinstance(err, GenerationFailed) and error_status(err) == 500
+        deadline = time.time() + 10
+        while gen.loop_restarts < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert gen.loop_restarts == 2 and gen.generation_available()
+    finally:
+        gen.stop_and_join()

@@ -80,9 +80,8 @@ def generator_class(server):
             request = super()._next_request(timeout)
             if request is None:
                 return None
-            reply = _Reply(request[0], self)
-            self._in_flight.add(reply)
-            return (reply, *request[1:])
+            self._in_flight.add(request[0])  # (weakly: the handler waiting on it holds it)
+            return (_Reply(request[0], self), *request[1:])
 
         def _run_generate(self):
             while not self._stop:
@@ -94,7 +93,7 @@ def generator_class(server):
                     logging.exception(f"qfilters-mlx: generation loop failed ({err!r}); in-flight "
                                       f"requests get 500, the loop restarts "
                                       f"(restart {self.loop_restarts})")
-                    for reply in list(self._in_flight):
+                    for reply in list(self._in_flight):  # (a finished request's queue is unread)
                         reply.put(GenerationFailed(f"generation failed: {type(err).__name__}"))
                     self._in_flight = weakref.WeakSet()
 
