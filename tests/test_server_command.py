@@ -124,3 +124,41 @@ def test_the_generation_loop_restarts_and_fails_the_requests_in_flight():
         assert gen.loop_restarts == 2 and gen.generation_available()
     finally:
         gen.stop_and_join()
+
+
+def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up():
+    """The served model loads in the generation thread before the server answers: its error is
+    raised to the starting thread. A loop that fails on every pass is restarted
+    RESTARTS_ALLOWED times, then given up (unavailable, as mlx-lm's dead thread)."""
+    import time
+    from types import SimpleNamespace
+
+    import mlx_lm.server as mlx_server
+
+    from qfilters_mlx.commands import server_http
+
+    class BadFilters:
+        cli_args = SimpleNamespace()
+
+        def load_default(self):
+            raise ValueError("not a filters file")
+
+    with pytest.raises(ValueError, match="not a filters file"):
+        server_http.generator_class(mlx_server)(BadFilters(), mlx_server.LRUPromptCache(2))
+
+    class Loads:
+        cli_args = SimpleNamespace()
+
+        def load_default(self):
+            pass
+
+    class AlwaysFails(server_http.generator_class(mlx_server)):
+        def _generate(self):
+            raise RuntimeError("every pass")
+
+    gen = AlwaysFails(Loads(), mlx_server.LRUPromptCache(2))
+    deadline = time.time() + 10
+    while gen.generation_available() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not gen.generation_available() and gen.loop_restarts == server_http.RESTARTS_ALLOWED
+    gen.stop_and_join()

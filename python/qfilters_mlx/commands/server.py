@@ -125,15 +125,14 @@ def _classes(served=None, max_body_bytes=None):
     from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES
 
     class QFiltersModelProvider(server.ModelProvider):
-        """mlx-lm's ``ModelProvider`` that installs eviction caches on every loaded model,
-        loads the served model before the server answers (so that a bad model or ``--filters``
-        stops the start, not the first request), and never says why another model failed to
-        load (the error would reveal which paths exist)."""
+        """mlx-lm's ``ModelProvider`` that installs eviction caches on every loaded model and
+        never says why another model failed to load (the error would reveal which paths exist).
+        The served model loads in the generation thread (MLX streams are per thread) before the
+        server answers (:func:`~.server_http.generator_class`)."""
 
         def __init__(self, cli_args):
             super().__init__(cli_args)
             self.served = served
-            self.load_default()
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             try:

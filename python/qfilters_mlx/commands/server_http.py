@@ -8,9 +8,11 @@ survive their users (subclasses of ``mlx_lm.server.APIHandler`` and ``ResponseGe
   503 when no generation loop runs, 500 otherwise (mlx-lm answers 404 to all of them).
   ``/health`` adds the stored conversations (count, ``nbytes`` as the caches count
   them, rows per layer) and the generation loop's restarts.
-* :func:`generator_class`: the generation loop restarts after an exception that
-  escaped mlx-lm's handling (in-flight requests get a 500), instead of dying and
-  leaving every later request a "generation thread died".
+* :func:`generator_class`: the served model is loaded in the generation thread before
+  the server answers (a load error, e.g. a bad ``--filters`` file, stops the start);
+  the generation loop restarts after an exception that escaped mlx-lm's handling
+  (in-flight requests get a 500), instead of dying and leaving every later request a
+  "generation thread died".
 
 Imported lazily (it imports ``mlx_lm.server``, which imports MLX).
 """
@@ -20,11 +22,19 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
+import time
 import weakref
+from collections import deque
 
 from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES, RequestError, check_body, parse_body
 
 __all__ = ["GenerationFailed", "error_status", "generator_class", "handler_class"]
+
+RESTARTS_ALLOWED = 5
+RESTART_WINDOW_S = 30.0
+"""The loop gives up (``/health`` 503, as mlx-lm's dead thread) after this many failures within
+this many seconds: a fault that every pass hits is not retried forever."""
 
 ENDPOINTS = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 
@@ -74,7 +84,13 @@ def generator_class(server):
         def __init__(self, model_provider, prompt_cache):
             self._in_flight = weakref.WeakSet()
             self.loop_restarts = 0
+            self._loaded = threading.Event()
+            self._load_error = None
             super().__init__(model_provider, prompt_cache)
+            self._loaded.wait()
+            if self._load_error is not None:  # the served model or its --filters: no server
+                self.join()
+                raise self._load_error
 
         def _next_request(self, timeout=None):
             request = super()._next_request(timeout)
@@ -84,18 +100,33 @@ def generator_class(server):
             return (_Reply(request[0], self), *request[1:])
 
         def _run_generate(self):
+            try:  # in this thread: the arrays it loads belong to its MLX stream
+                self.model_provider.load_default()
+            except Exception as err:  # noqa: BLE001 (raised again in the starting thread)
+                self._load_error = err
+                self._generation_failed = True
+                return
+            finally:
+                self._loaded.set()
+            failures = deque(maxlen=RESTARTS_ALLOWED)
             while not self._stop:
                 try:
-                    self._generate()
+                    self._generate()  # (its load_default finds the model loaded)
                     return
                 except Exception as err:  # noqa: BLE001 (restart the loop; requests learn why)
                     self.loop_restarts += 1
+                    failures.append(time.monotonic())
                     logging.exception(f"qfilters-mlx: generation loop failed ({err!r}); in-flight "
                                       f"requests get 500, the loop restarts "
                                       f"(restart {self.loop_restarts})")
                     for reply in list(self._in_flight):  # (a finished request's queue is unread)
                         reply.put(GenerationFailed(f"generation failed: {type(err).__name__}"))
                     self._in_flight = weakref.WeakSet()
+                    if len(failures) == RESTARTS_ALLOWED and failures[-1] - failures[0] < RESTART_WINDOW_S:
+                        logging.error(f"qfilters-mlx: {RESTARTS_ALLOWED} generation loop failures within "
+                                      f"{RESTART_WINDOW_S:g} s: giving up (/health answers 503)")
+                        self._generation_failed = True
+                        return
 
     return RestartingResponseGenerator
 
