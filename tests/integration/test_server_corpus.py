@@ -98,3 +98,25 @@ def test_a_filters_file_that_is_not_one_stops_the_start(model_path, tmp_path):
     with pytest.raises(RuntimeError, match="cannot serve"):
         ServerProcess(_argv(model_path, "--filters", str(model_path / "model.safetensors")),
                       tmp_path / "bad.log", env=_env(), start_timeout=120)
+
+
+def test_after_an_eviction_an_edited_tail_reuses_the_stored_prompt_up_to_the_edit(server, model_path):
+    """A conversation longer than the budget (evicted), then the same one with its last words
+    edited: the stored prompt is rewound to the shared prefix (within --max-rewind 16), so the
+    tokens reused are mlx-lm's own rule, ``min(len(prompt) - 1, common prefix)``, computed here
+    from the chat template's tokens; a prompt diverging deeper falls back to a stored prefix."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    passage = " ".join(f"Entry {i}: the river was {30 + i} cm high and calm." for i in range(25))
+    system = {"role": "system", "content": "Answer briefly."}
+    first = [system, {"role": "user", "content": passage + " Which entry had the highest river?"}]
+    edited = [system, {"role": "user", "content": passage + " Which entry had the lowest river?"}]
+    status, reply = post_json(server.port, CHAT, {"messages": first, "max_tokens": 4})
+    assert status == 200 and reply["usage"]["prompt_tokens"] > 2 * BUDGET
+    status, reply = post_json(server.port, CHAT, {"messages": edited, "max_tokens": 4})
+    a, b = (tok.apply_chat_template(m, add_generation_prompt=True) for m in (first, edited))
+    a, b = (x if isinstance(x, list) else x["input_ids"] for x in (a, b))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert len(a) - 1 - common <= 16  # (the edit is within the rewind depth of the stored prompt)
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == min(len(b) - 1, common)

@@ -98,7 +98,7 @@ def _served(cache_args, model_path):
     """The names a request may use for what this server was started with (:class:`Served`)."""
     from qfilters_mlx.commands.server_requests import Served
 
-    names = {"default_model", str(model_path), model_path.name}
+    names = {"default_model", str(model_path), str(Path(model_path).resolve()), Path(model_path).name}
     if cache_args.model is not None:
         names.add(cache_args.model)
     draft = set()
