@@ -79,7 +79,7 @@ def test_no_cors_origin_and_one_log_line_per_completion(server):
 
 def test_stored_short_conversations_hold_budget_plus_one_rows(server):
     """Conversations shorter than the budget: each stored cache holds ``budget + 1`` rows per
-    layer (the rule of ``QFiltersKVCache._capacity``), and the bytes reported are the caches'
+    layer (the buffer rule of ``QFiltersKVCache._append``), and the bytes reported are the caches'
     own ``nbytes`` sum: rows x (K + V row bytes + float32 score + int64 position) x layers,
     plus the float32 filter once estimated (never here: fewer than 128 tokens)."""
     for i in range(3):

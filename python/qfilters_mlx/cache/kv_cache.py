@@ -142,7 +142,8 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         return not self._needs_filter or self.filter is not None
 
     def _append(self, keys, values) -> None:
-        """Write the new rows after the live ones, growing buffers in ``step`` blocks."""
+        """Write the new rows after the live ones, growing buffers in ``step`` blocks; a cache
+        evicting to a fixed budget grows to at most ``max(n + L, budget + 1)`` rows."""
         B, H, L, _ = keys.shape
         n = self._n
         pos = (mx.array(self.offset, dtype=mx.int64) + mx.arange(L, dtype=mx.int64))[None, None, :]
@@ -159,7 +160,9 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
             self._n = n + L
             return
         if self.keys is None or n + L > self.keys.shape[2]:
-            cap = self._capacity(n, L)
+            cap = self.step * math.ceil((n + L) / self.step)
+            if self.method != "full" and not self.config.compress_once:  # never over budget + chunk
+                cap = min(cap, max(n + L, self.config.qfilters_budget + 1))  # (a function of n + L)
 
             def grow(buf, new_shape, dtype):
                 fresh = mx.zeros(new_shape, dtype)
@@ -177,19 +180,6 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         if new_scores is not None:
             self.scores[:, :, n : n + L] = new_scores
         self._n = n + L
-
-    def _capacity(self, n: int, L: int) -> int:
-        """Rows to allocate for ``n`` live rows plus a call of ``L``: the smallest multiple of
-        ``step`` holding them; for a cache that evicts to a fixed budget, at most
-        ``max(n + L, budget + 1)`` (``budget + 1``: a conversation up to the budget and its first
-        decode step after it; ``n + L`` when the call goes past that, evicted to the budget at
-        its end). So a conversation never allocates more than the budget plus the chunk being
-        processed, and the capacity depends only on ``n + L`` (a trimmed cache equals one never
-        fed the trimmed rows)."""
-        cap = self.step * math.ceil((n + L) / self.step)
-        if self.method == "full" or self.config.compress_once:
-            return cap
-        return min(cap, max(n + L, self.config.qfilters_budget + 1))
 
     def _store_rows(self, keys, values):
         """The rows as stored (as given here; :mod:`.quantized` packs them)."""
