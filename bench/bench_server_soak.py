@@ -20,8 +20,8 @@ preloaded for both). Ours: ``--budget 64 --filters bench/results/smollm2_filters
    fresh servers: answers and reuse must be identical.
 4. **soak**: ``--soak`` mixed requests (chat, text, streaming), every fifth a stream the client
    drops after the first chunk; errors and RSS before/after.
-5. **decode**: paired wall time of generating ``--decode-tokens`` tokens after an eviction on ours
-   with ``--max-rewind 0`` and with the default (the journal's cost).
+5. **decode**: decode tokens/s with the server's caches at ``qfilters_max_rewind`` 0 and 16 (the
+   server's default), in process, alternating pairs (the rewind journal's cost).
 
 Writes ``bench/results/server_soak.json`` and ``.md``. Run:
 ``PYTHONPATH=python python bench/bench_server_soak.py`` (``--help`` for the sizes).
@@ -33,8 +33,8 @@ import argparse
 import http.client
 import json
 import os
+import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,23 +198,31 @@ def soak(arm, model, log_dir, n) -> dict:
             "rss_before_mb": rss0, "rss_after_mb": rss1, "health_body": h}
 
 
-def decode(model, log_dir, tokens, reps) -> dict:
-    out = {}
-    for depth in ("0", None):
-        extra = () if depth is None else ("--max-rewind", depth)
-        server = start("qfilters", model, log_dir, f"decode-{depth}", *extra)
-        times = []
-        try:
-            for r in range(reps):
-                body = _chat([{"role": "user", "content": PASSAGE + f" Retell entry {r} in detail."}], tokens)
-                tic = time.perf_counter()
-                status, reply = post_json(server.port, CHAT, body)
-                times.append(time.perf_counter() - tic)
-                assert status == 200 and reply["usage"]["completion_tokens"] == tokens, reply
-        finally:
-            server.stop()
-        out["default" if depth is None else "max_rewind_0"] = times
+def decode(tokens, reps, prompt_len=512) -> dict:
+    """Decode tokens/s of SmolLM2 through ``mlx_lm.stream_generate`` with the server's caches
+    (budget 64, the calibrated filters file) at ``qfilters_max_rewind`` 0 and 16, alternating in
+    pairs (in process: HTTP and prefill time would hide a per-step difference)."""
+    import dataclasses
+
+    import mlx_lm
+
+    from qfilters_mlx import KVCacheConfig
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+
+    model, tok = common.load_model()
+    prompt = list(common.prompts(tok, [prompt_len]).values())[0]
+    base = KVCacheConfig(method="qfilters", qfilters_budget=BUDGET, qfilters_filters=str(FILTERS),
+                         qfilters_backend="auto")
+    out = {"max_rewind_0": [], "default": []}
+    for _ in range(reps):
+        for depth, key in ((0, "max_rewind_0"), (16, "default")):
+            caches = KVCacheBuilder.for_model(model, dataclasses.replace(base, qfilters_max_rewind=depth))
+            last = None
+            for last in mlx_lm.stream_generate(model, tok, prompt, max_tokens=tokens, prompt_cache=caches):
+                pass
+            out[key].append(last.generation_tps)
     out["ratio_default_vs_0"] = [a / b for a, b in zip(out["default"], out["max_rewind_0"])]
+    out["prompt_tokens"], out["generated"] = prompt_len, tokens
     return out
 
 
@@ -270,11 +278,14 @@ def markdown(res) -> str:
                               for a, s in res["soak"].items()], "lrrrrr")
     if "decode" in res:
         d = res["decode"]
-        L += ["", "## Rewind journal cost (ours, whole request wall time, paired)", "",
-              f"--max-rewind 0: {', '.join(f'{t:.2f}' for t in d['max_rewind_0'])} s; default (16): "
-              f"{', '.join(f'{t:.2f}' for t in d['default'])} s; ratios "
-              f"{', '.join(f'{r:.2f}' for r in d['ratio_default_vs_0'])}."]
-    L += ["", f"Run: `{res['meta']['command']}`.", ""]
+        L += ["", "## Rewind journal cost (ours, decode tokens/s in process, paired)", "",
+              f"{d['prompt_tokens']}-token prompt, {d['generated']} generated, budget {BUDGET}: "
+              f"--max-rewind 0: {', '.join(f'{t:.1f}' for t in d['max_rewind_0'])} tok/s; 16 (the "
+              f"server's default): {', '.join(f'{t:.1f}' for t in d['default'])} tok/s; ratios "
+              f"{', '.join(f'{r:.2f}' for r in d['ratio_default_vs_0'])} (median "
+              f"{statistics.median(d['ratio_default_vs_0']):.2f})."]
+    L += ["", "Runs: " + "; ".join(f"{phase}: `{r['command']}` (load {r['loadavg_start'][0]:.1f})"
+                                   for phase, r in res.get("runs", {}).items()) + ".", ""]
     return "\n".join(L)
 
 
@@ -283,8 +294,8 @@ def main() -> None:
     ap.add_argument("--phases", default="corpus,memory,reuse,soak,decode")
     ap.add_argument("--conversations", type=int, default=100)
     ap.add_argument("--soak", type=int, default=40)
-    ap.add_argument("--decode-tokens", type=int, default=48)
-    ap.add_argument("--decode-reps", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-reps", type=int, default=5)
     ap.add_argument("--out", default=str(common.RESULTS / "server_soak.json"))
     args = ap.parse_args()
     from qfilters_mlx.assets.prepare_model import prepare_model
@@ -296,8 +307,10 @@ def main() -> None:
     phases = args.phases.split(",")
     out = Path(args.out)
     res = json.loads(out.read_text()) if out.exists() else {}
-    res["meta"] = common.run_meta(command="PYTHONPATH=python python bench/bench_server_soak.py "
-                                  + " ".join(sys.argv[1:]))
+    command = "PYTHONPATH=python python bench/bench_server_soak.py " + " ".join(sys.argv[1:])
+    res["meta"] = common.run_meta(command=command)
+    for phase in phases:  # (phases may come from separate runs: each keeps its command and load)
+        res.setdefault("runs", {})[phase] = {"command": command, "loadavg_start": res["meta"]["loadavg_start"]}
     arms = ("qfilters", "mlx_lm")
 
     def save():
@@ -319,7 +332,7 @@ def main() -> None:
         res["soak"] = {a: soak(a, model, log_dir, args.soak) for a in arms}
         save()
     if "decode" in phases:
-        res["decode"] = decode(model, log_dir, args.decode_tokens, args.decode_reps)
+        res["decode"] = decode(args.decode_tokens, args.decode_reps)
         save()
     print(markdown(res))
 
