@@ -147,15 +147,14 @@ def _int(body, name, lo, hi, *, allow=()):
         raise RequestError(name, f"must be in [{lo}, {hi}], got {v}")
 
 
-def _num(body, name, lo=-math.inf, hi=math.inf, *, lo_open=False):
+def _num(body, name, lo=-math.inf, hi=math.inf):
     v = body.get(name)
     if v is None:
         return
     if not _is_num(v):
         raise RequestError(name, f"must be a finite number, got {json.dumps(v)[:40]}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        lo_b = "(" if lo_open else "["
-        raise RequestError(name, f"must be in {lo_b}{lo:g}, {hi:g}], got {v:g}")
+    if not lo <= v <= hi:
+        raise RequestError(name, f"must be in [{lo:g}, {hi:g}], got {v:g}")
     body[name] = float(v)  # (mlx-lm's own check wants floats for xtc_*)
 
 
@@ -303,7 +302,7 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
     _int(body, "max_tokens", 1, MAX_INT)
     _int(body, "max_completion_tokens", 1, MAX_INT)
     _num(body, "temperature", 0.0, 100.0)
-    _num(body, "top_p", 0.0, 1.0, lo_open=True)
+    _num(body, "top_p", 0.0, 1.0)  # (0 and 1: no nucleus filtering, as mlx-lm reads them)
     _int(body, "top_k", 0, served.vocab_size)
     _num(body, "min_p", 0.0, 1.0)
     _num(body, "repetition_penalty", 0.0, 100.0)
@@ -312,7 +311,7 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         _int(body, name, 0, 1 << 20)
     _num(body, "xtc_probability", 0.0, 1.0)
-    _num(body, "xtc_threshold", 0.0, 0.5)
+    _num(body, "xtc_threshold", 0.0, 1.0)
     _bool(body, "logprobs")
     _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, allow=(-1,))
     _int(body, "seed", 0, 2**63 - 1)
