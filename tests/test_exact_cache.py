@@ -82,9 +82,11 @@ def assert_same_view(va, vb):
     assert ma == mb and sa == sb
 
 
-def cap_rows(rows):
-    """Buffer rows after ``rows`` no longer fit: the smallest multiple of ``STEP`` holding them."""
-    return STEP * math.ceil(rows / STEP)
+def cap_rows(rows, budget=None):
+    """Buffer rows after ``rows`` no longer fit: the smallest multiple of ``STEP`` holding them;
+    for a cache evicting to ``budget``, at most ``max(rows, budget + 1)`` (budget + the chunk)."""
+    step = STEP * math.ceil(rows / STEP)
+    return step if budget is None else min(step, max(rows, budget + 1))
 
 
 def bytes_at(cap, B=1, itemsize=4, filter_=True):
@@ -175,14 +177,14 @@ def test_query_calibrated_cache_refuses_updates_outside_observe_queries():
 # ------------------------------------------------------------ buffers, bytes
 def test_buffers_grow_in_step_blocks_and_nbytes_counts_them(tmp_path):
     """K/V/scores/positions are written after the live rows in place while they fit, else the
-    buffers grow to the smallest multiple of 256 rows holding them (as mlx-lm's KVCache);
-    an eviction leaves exactly the kept rows; ``nbytes`` counts every buffer at capacity."""
+    buffers grow to the smallest multiple of 256 rows holding them (as mlx-lm's KVCache), at
+    most ``max(rows, budget + 1)`` (``cap_rows``; budget 600 here); an eviction leaves exactly the kept rows; ``nbytes`` counts every buffer at capacity."""
     k, v, f = int_data(400, seed=2)
     c = fixed_cache(f, budget=600)
     feed(c, k, v, [3])
-    assert c.nbytes == bytes_at(cap_rows(3))
+    assert c.nbytes == bytes_at(cap_rows(3, 600))
     feed(c, k, v, [300], start=3)
-    assert c.nbytes == bytes_at(cap_rows(303))
+    assert c.nbytes == bytes_at(cap_rows(303, 600))
     # A reloaded cache holds exactly its rows; a trim keeps the buffers; rows that fit again
     # are written in place (capacity unchanged), one more row grows to 256.
     small = fixed_cache(f, budget=600)
@@ -196,7 +198,26 @@ def test_buffers_grow_in_step_blocks_and_nbytes_counts_them(tmp_path):
     for x, y in zip(r.state, small.state):  # the rows, scores, positions of the uninterrupted cache
         assert (x is None and y is None) or (np.array(x).tolist() == np.array(y).tolist())
     feed(r, k, v, [1], start=10)
-    assert r.nbytes == bytes_at(cap_rows(11))
+    assert r.nbytes == bytes_at(cap_rows(11, 600))
+
+
+@pytest.mark.parametrize("chunks", [[45], [44] + [1] * 30, [10] * 9, [100, 1, 1], [3, 200, 1, 60, 1]])
+def test_a_budgeted_cache_never_holds_more_than_the_budget_plus_the_chunk(chunks):
+    """After every call the buffers hold at most ``max(budget + 1, rows before + L)`` rows
+    (``budget + 1``: the budget and the decode step that first evicts; ``rows before + L``:
+    the chunk being processed, evicted at the end of the call), for any chunking; a
+    conversation shorter than the budget holds ``budget + 1`` rows, not a 256-row block."""
+    budget = 64
+    k, v, f = int_data(sum(chunks), seed=21)
+    c = fixed_cache(f, budget=budget, n_sink=4, recent=8)
+    start = 0
+    for L in chunks:
+        before = c.size()
+        start = feed(c, k, v, [L], start)
+        assert c.keys.shape[2] <= max(budget + 1, before + L)
+        assert c.nbytes == bytes_at(c.keys.shape[2])
+    if sum(chunks) <= budget:
+        assert c.keys.shape[2] == budget + 1
 
 
 def test_compress_once_growth_appends_into_step_blocks():
@@ -225,7 +246,7 @@ def test_rewind_of_the_first_eviction_restores_capacity_and_bytes():
     assert a.evicted and a.size() == 12
     assert a.trim(5) == 5
     feed(b, k, v, [10])
-    assert not a.evicted and a.keys.shape == b.keys.shape == (1, H, cap_rows(10), D)
+    assert not a.evicted and a.keys.shape == b.keys.shape == (1, H, cap_rows(10, 12), D)
     assert_same(a, b)
     model = CacheModel("qfilters", 12, 2, 2, filters=f)
     model.update(k[:, :, :10], v[:, :, :10])

@@ -109,7 +109,7 @@ def test_rewind_across_a_redone_decode_step_restores_the_rows_it_evicted(backend
 
 def test_rewind_into_the_first_call_leaves_the_buffers_of_a_fresh_cache():
     """The first call evicts (10 tokens, budget 6); rewinding all but its first token leaves
-    the cache of one fed that token alone: buffers of one ``step`` block, same ``nbytes``."""
+    the cache of one fed that token alone: buffers of ``budget + 1`` rows, same ``nbytes``."""
     k, v, f = int_data(20, seed=9)
     a = fixed_cache(f, budget=6, n_sink=1, recent=1, depth=9)
     b = fixed_cache(f, budget=6, n_sink=1, recent=1, depth=9)
@@ -118,8 +118,8 @@ def test_rewind_into_the_first_call_leaves_the_buffers_of_a_fresh_cache():
     assert a.trim(9) == 9
     feed(b, k, v, [1])
     assert not a.evicted and a.size() == 1
-    assert a.keys.shape == b.keys.shape == (1, 2, cap_rows(1), D)
-    assert a.nbytes == b.nbytes == bytes_at(cap_rows(1))
+    assert a.keys.shape == b.keys.shape == (1, 2, cap_rows(1, 6), D)
+    assert a.nbytes == b.nbytes == bytes_at(cap_rows(1, 6))
     assert_same(a, b)
     start = 1
     for L in [2, 1]:  # both continue identically

@@ -149,7 +149,8 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         return not self._needs_filter or self.filter is not None
 
     def _append(self, keys, values) -> None:
-        """Write the new rows after the live ones, growing buffers in ``step`` blocks."""
+        """Write the new rows after the live ones, growing buffers in ``step`` blocks; a cache
+        evicting to a fixed budget grows to at most ``max(n + L, budget + 1)`` rows."""
         B, H, L, _ = keys.shape
         n = self._n
         pos = (mx.array(self.offset, dtype=mx.int64) + mx.arange(L, dtype=mx.int64))[None, None, :]
@@ -167,6 +168,8 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
             return
         if self.keys is None or n + L > self.keys.shape[2]:
             cap = self.step * math.ceil((n + L) / self.step)
+            if self.method != "full" and not self.config.compress_once:  # never over budget + chunk
+                cap = min(cap, max(n + L, self.config.qfilters_budget + 1))  # (a function of n + L)
 
             def grow(buf, new_shape, dtype):
                 fresh = mx.zeros(new_shape, dtype)

@@ -7,14 +7,25 @@ HTTP API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
 cache flags (:func:`qfilters_mlx.commands.options.add_cache_args`) and, around
 mlx-lm's ``main``:
 
-* :class:`QFiltersModelProvider` (mlx-lm's ``ModelProvider``): after a model is
-  loaded, :meth:`KVCacheBuilder.install` makes ``model.make_cache()`` build
+* :class:`QFiltersModelProvider` (mlx-lm's ``ModelProvider``): loads the served
+  model before the server answers (a bad model or ``--filters`` file stops the
+  start), then :meth:`KVCacheBuilder.install` makes ``model.make_cache()`` build
   fresh eviction caches for every request; they batch through
   :class:`~qfilters_mlx.cache.batch.BatchQFiltersCache`, so the server keeps
   batching (``is_batchable``);
-* :class:`LoggingPromptCache` (mlx-lm's ``LRUPromptCache``, the prompt-cache
-  reuse across requests): logs each finished request's tokens seen, kept
-  tokens and KV bytes (against a full cache) when its cache is stored.
+* ``StoredConversations`` (mlx-lm's ``LRUPromptCache``,
+  :mod:`.server_cache`): reuses stored conversations without asking a cache for
+  a rewind it cannot do, and logs each finished request's tokens, bytes, and the
+  bytes all stored conversations hold;
+* the request checks and the restarting generation loop of :mod:`.server_http`
+  and :mod:`.server_requests`: every body is checked before generation (400 naming
+  the field); requests naming another ``model``, ``draft_model`` or ``adapters``
+  are refused unless ``--allow-model-switch``; CORS allows no origin unless
+  ``--allowed-origins`` names them.
+
+The caches rewind :data:`DEFAULT_MAX_REWIND` tokens exactly unless ``--max-rewind``
+says otherwise (``--num-draft-tokens`` at least, with a draft model; 0 with
+``--kv-bits``, whose caches cannot rewind).
 
 The configuration is printed at start. Configurations that estimate the filter
 from observed queries (``--filter-source queries``, ``--sign auto``) cannot run
@@ -28,10 +39,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
-__all__ = ["LoggingPromptCache", "QFiltersModelProvider", "add_parser", "request_summary", "run"]
+__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
+
+DEFAULT_MAX_REWIND = 16
+"""Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
+otherwise: a stored conversation is then reused by a prompt that leaves it up to this many
+tokens before its end (an edited tail, a re-rendered chat-template tail), and a draft model
+may propose up to this many tokens. Cost: bench/results/server_soak.md."""
+
+DEFAULT_PROMPT_CACHE_SIZE = 30
+"""Stored conversations kept (mlx-lm's default is 10 for full caches)."""
 
 
 def add_parser(sub) -> None:
@@ -55,55 +76,100 @@ def cache_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model folder or HF id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--adapter-path", default=None)
     p.add_argument("--seed", type=int, default=None, help="seed of --method random")
+    s = p.add_argument_group("serving")
+    s.add_argument("--allow-model-switch", action="store_true",
+                   help="let requests name another model, draft model or adapters (mlx-lm loads "
+                        "them by path; off by default: such requests get 400)")
+    s.add_argument("--allowed-origins", default="",
+                   help="comma-separated origins allowed by CORS (default: none; '*' for any)")
+    s.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="largest request body (default 8 MiB; larger: 413)")
+    s.add_argument("--prompt-cache-size", type=int, default=None, metavar="N",
+                   help=f"stored conversations kept for reuse (mlx-lm's flag; default "
+                        f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus one "
+                        f"chunk, and mlx-lm keeps the prompt's checkpoints of a conversation "
+                        f"that can no longer rewind to them)")
     return p
 
 
-def request_summary(caches, prompt_tokens: int) -> str:
-    """One log line for a finished request: tokens seen, kept and KV bytes of its caches."""
-    ours = [c for c in caches if hasattr(c, "tokens_kept")]
-    if not ours:
-        return f"request done: {prompt_tokens} tokens, no eviction caches"
-    kv = sum(c.nbytes for c in ours)
-    full = sum(c.full_seq_bytes for c in ours)
-    kept = max(c.tokens_kept for c in ours)
-    return (f"request done: {ours[0].tokens_seen} tokens seen, {kept} kept per layer and KV head "
-            f"({len(ours)} layers), KV {kv / 1e6:.2f} MB (a full cache: {full / 1e6:.2f} MB)")
+def _served(cache_args, model_path):
+    """The names a request may use for what this server was started with (:class:`Served`)."""
+    from qfilters_mlx.commands.server_requests import Served
+
+    names = {"default_model", str(model_path), str(Path(model_path).resolve()), Path(model_path).name}
+    if cache_args.model is not None:
+        names.add(cache_args.model)
+    draft = set()
+    if cache_args.draft_model is not None:
+        draft = {cache_args.draft_model, str(Path(cache_args.draft_model).resolve())}
+    adapters = set()
+    if cache_args.adapter_path is not None:
+        adapters = {cache_args.adapter_path, str(Path(cache_args.adapter_path).resolve())}
+    return Served(model_names=names, draft_names=draft, adapter_names=adapters,
+                  allow_switch=cache_args.allow_model_switch, max_rewind=_CONFIG.qfilters_max_rewind,
+                  has_draft=cache_args.draft_model is not None,
+                  default_draft_tokens=cache_args.num_draft_tokens)
 
 
-def _classes():
+def _classes(served=None, max_body_bytes=None):
     """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
+    import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 
     from qfilters_mlx.cache.builder import KVCacheBuilder
+    from qfilters_mlx.commands.server_cache import prompt_cache_class
+    from qfilters_mlx.commands.server_http import generator_class, handler_class
+    from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES
 
     class QFiltersModelProvider(server.ModelProvider):
-        """mlx-lm's ``ModelProvider`` that installs eviction caches on every loaded model."""
+        """mlx-lm's ``ModelProvider`` that installs eviction caches on every loaded model and
+        never says why another model failed to load (the error would reveal which paths exist).
+        The served model loads in the generation thread (MLX streams are per thread) before the
+        server answers (:func:`~.server_http.generator_class`)."""
+
+        def __init__(self, cli_args):
+            super().__init__(cli_args)
+            self.served = served
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            super()._load(model_path, adapter_path, draft_model_path)
-            report = KVCacheBuilder.install(self.model, _CONFIG)
+            try:
+                super()._load(model_path, adapter_path, draft_model_path)
+                report = KVCacheBuilder.install(self.model, _CONFIG)
+                if self.draft_model is not None:
+                    KVCacheBuilder.install(self.draft_model, _CONFIG)
+            except Exception as err:
+                self.reset()
+                cli = self.cli_args
+                if (model_path, adapter_path, draft_model_path) == (cli.model, cli.adapter_path,
+                                                                    cli.draft_model):
+                    raise  # the served model itself: the operator sees the reason at start
+                logging.warning(f"qfilters-mlx: loading a requested model failed: {err!r}")
+                raise ValueError("the requested model could not be loaded") from None
             logging.info(f"qfilters-mlx: {report.summary()}")
-            if self.draft_model is not None:
-                KVCacheBuilder.install(self.draft_model, _CONFIG)
             self.is_batchable = self.draft_model is None and all(
                 hasattr(c, "merge") for c in make_prompt_cache(self.model))
+            if self.served is not None:
+                self.served.vocab_size = _vocab_size(self.model, self.tokenizer)
+                self.served.takes_images = self.processor is not None
 
-    class LoggingPromptCache(server.LRUPromptCache):
-        """mlx-lm's prompt cache that logs each finished request's cache (see :func:`request_summary`)."""
-
-        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-            if cache_type == "assistant":
-                logging.info(f"qfilters-mlx: {request_summary(prompt_cache, len(tokens))}")
-            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-
-    return server, QFiltersModelProvider, LoggingPromptCache
+    prompt_cache = prompt_cache_class(cache_module)
+    handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES)
+    return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
 
 
-def __getattr__(name):  # QFiltersModelProvider / LoggingPromptCache, built on first use
-    if name in ("QFiltersModelProvider", "LoggingPromptCache"):
-        _, provider, prompt_cache = _classes()
+def _vocab_size(model, tokenizer) -> int:
+    """Width of the model's logits (token ids a request may name): the model's
+    ``args.vocab_size``, else the tokenizer's vocabulary."""
+    n = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(n) if n else len(tokenizer.vocab)
+
+
+def __getattr__(name):  # QFiltersModelProvider / StoredConversations, built on first use
+    if name in ("QFiltersModelProvider", "StoredConversations"):
+        _, provider, prompt_cache, _, _ = _classes()
         return provider if name == "QFiltersModelProvider" else prompt_cache
     raise AttributeError(name)
 
@@ -127,32 +193,53 @@ def _config(parser, args):
 
 
 def run(parser, args, blas_library: str | None = None) -> int:
-    """Parse the cache flags, print them, and run ``mlx_lm.server.main`` with the rest."""
+    """Parse the cache flags, print them, and run ``mlx_lm.server.main`` with the rest
+    (and with this package's model provider, prompt cache, generation loop and handler)."""
     global _CONFIG
     from qfilters_mlx.commands.model_path import resolve_model
 
     argv = list(args.server_args)
     ours = cache_parser()
-    if "-h" in argv or "--help" in argv:
+    helping = "-h" in argv or "--help" in argv
+    if helping:
         ours.print_help()
         print("\nmlx_lm.server flags:\n")
     cache_args, rest = ours.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    quantized = any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest)
+    if cache_args.max_rewind is None and cache_args.method != "full" and not quantized:
+        cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
+                                    if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
                  "--num-draft-tokens", str(cache_args.num_draft_tokens)]
-    if "-h" not in argv and "--help" not in argv:
-        rest += ["--model", str(resolve_model(ours, cache_args.model))]
+    if cache_args.adapter_path is not None:
+        rest += ["--adapter-path", cache_args.adapter_path]
+    size = cache_args.prompt_cache_size
+    rest += ["--allowed-origins", cache_args.allowed_origins,
+             "--prompt-cache-size", str(DEFAULT_PROMPT_CACHE_SIZE if size is None else size)]
+    served = None
+    if not helping:
+        model_path = resolve_model(ours, cache_args.model)
+        rest += ["--model", str(model_path)]
+        served = _served(cache_args, model_path)
     else:
         rest.append("--help")
-    server, provider, prompt_cache = _classes()
-    print(f"qfilters-mlx server: KV cache {described} backend={_CONFIG.qfilters_backend}"
+    server, provider, prompt_cache, generator, handler = _classes(served, cache_args.max_body_bytes)
+    print(f"qfilters-mlx server: KV cache {described} max_rewind={_CONFIG.qfilters_max_rewind} "
+          f"backend={_CONFIG.qfilters_backend}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
+    http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider, prompt_cache
+    server.ResponseGenerator = generator
+    server._run_http_server = lambda host, port, gen: http(host, port, gen, handler_class=handler)
     old_argv = sys.argv
     sys.argv = ["qfilters-mlx server", *rest]
     try:
         server.main()
+    except Exception as err:  # the served model or --filters failed to load: no server
+        print(f"qfilters-mlx server: cannot serve: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = old_argv
     return 0
