@@ -21,7 +21,9 @@ Cost against one ``BatchRotatingKVCache``: the per-row updates are ``B`` small
 graphs per layer, and the padded keys/values are one concatenation (a copy of
 the kept rows, ``2 * B * H_kv * S * D * itemsize`` bytes) per layer and call.
 
-Save/load: ``state`` is every row's state, in row order (7 entries each, see
+Quantized rows and save/load come from
+:class:`~qfilters_mlx.cache.batch_storage.BatchStorageMixin`: ``state`` is every
+row's state, in row order (7 entries each, see
 :class:`~qfilters_mlx.cache.persistence.PersistenceMixin`); mlx-lm's
 ``save_prompt_cache`` / ``load_prompt_cache`` round-trip it (pending padding of
 an unfinished ``prepare`` is not saved).
@@ -30,20 +32,18 @@ an unfinished ``prepare`` is not saved).
 from __future__ import annotations
 
 import copy
-import json
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
 from qfilters_mlx.cache.batch_rows import check_rows, padded_mask, plan_rows
+from qfilters_mlx.cache.batch_storage import BatchStorageMixin
 
 __all__ = ["BatchQFiltersCache"]
 
-_META = 6  # index of the JSON meta in a row's state (7 entries; 8 with kv_bits: + fp_keys)
 
-
-class BatchQFiltersCache(_BaseCache):
+class BatchQFiltersCache(BatchStorageMixin, _BaseCache):
     """One layer's eviction caches of ``B`` sequences, served as the rows of one batch.
 
     Args:
@@ -284,67 +284,6 @@ class BatchQFiltersCache(_BaseCache):
         self._last_kv = None
         done = [c.trim(n) for c in self.caches]
         return done[0] if done else 0
-
-    # ------------------------------------------------------------ quantized rows (kv_bits)
-    @property
-    def bits(self) -> int:
-        """The rows' ``kv_bits`` (mlx-lm's attention takes the quantized path when a cache has
-        ``bits``); absent (``AttributeError``) when the rows store K/V unquantized."""
-        bits = self.caches[0].config.kv_bits if self.caches else None
-        if bits is None:
-            raise AttributeError("bits")
-        return bits
-
-    @property
-    def group_size(self) -> int:
-        """The rows' ``kv_group_size``; absent when the rows are unquantized (see :attr:`bits`)."""
-        self.bits  # noqa: B018 - raises AttributeError for unquantized rows
-        return self.caches[0].config.kv_group_size
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "BatchQFiltersCache":
-        """The batch with every row converted by ``QFiltersKVCache.to_quantized`` (each row
-        continues exactly as it would alone); pending padding carries over.
-
-        The rows are converted into new caches; this batch is not changed.
-
-        Raises:
-            ValueError: what a row's ``to_quantized`` raises.
-        """
-        rows = [c.to_quantized(group_size=group_size, bits=bits) for c in self.caches]
-        out = BatchQFiltersCache(rows)
-        out._skip, out._remaining = list(self._skip), list(self._remaining)
-        return out
-
-    @property
-    def state(self):
-        """Every row's ``state`` (7 entries each; 8 for quantized rows), in row order."""
-        return tuple(x for c in self.caches for x in c.state)
-
-    @state.setter
-    def state(self, v):
-        # The row class as mlx-lm's loader resolves it (registered by qfilters_mlx.cache.kv_cache,
-        # which mlx-lm's cache module imports through qfilters_mlx.prompt_cache_hook).
-        rows, i = [], 0
-        while i < len(v):
-            if i + _META >= len(v) or not isinstance(v[i + _META], str):
-                raise ValueError(f"state: row {len(rows)} has no meta string at entry {i + _META}")
-            cls, n = _row_class(v[i + _META])
-            if i + n > len(v):
-                raise ValueError(f"state: row {len(rows)} needs {n} entries, {len(v) - i} left")
-            rows.append(cls.from_state(tuple(v[i : i + n])))
-            i += n
-        self.__init__(rows)
-
-
-def _row_class(meta: str) -> tuple:
-    """``(class, state entries)`` of a saved row from its meta: quantized storage (8 entries)
-    when its config has ``kv_bits``, else 7 (classes resolved in mlx-lm's cache module, where
-    ``qfilters_mlx.cache.kv_cache`` registers both)."""
-    try:
-        quantized = json.loads(meta)["config"].get("kv_bits") is not None
-    except (TypeError, ValueError, KeyError) as err:
-        raise ValueError(f"state: bad row meta ({err})") from err
-    return (mlx_cache.QuantizedQFiltersKVCache, 8) if quantized else (mlx_cache.QFiltersKVCache, 7)
 
 
 def _rows(k) -> int:

@@ -34,7 +34,9 @@ thread running it (or, outside every patched forward pass, in the thread that
 opened the block: direct cache calls). Every other forward pass (another model
 of the same class, another thread, a draft model, the same model with other
 caches) runs the original functions with nothing recorded. Blocks in different
-threads may be open at the same time, on the same or different models.
+threads may be open at the same time, on the same or different models. The
+shared patch points and this routing live in
+:mod:`qfilters_mlx.filters.hook_dispatch`.
 
 Each update is delivered at most once: by an SDPA call as soon as it happens
 (exactly what attention uses), else with the rope-derived queries when the
@@ -55,93 +57,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from qfilters_mlx.filters.hook_dispatch import (OPEN_BLOCKS, REGISTRY, SDPA, entered, hold, model_wrapper,
+                                                release, rope_wrapper, sdpa_wrapper, set_entered,
+                                                update_wrapper)
 from qfilters_mlx.filters.pairing import Update, cache_leaves, fits, rope_queries
-
-SDPA = "scaled_dot_product_attention"
-_registry = threading.Lock()  # guards _points and _open
-_points: dict[tuple[int, str], list] = {}  # (id(owner), name) -> [owner, name, had, old, users]
-_open: list["AttentionHooks"] = []  # blocks entered and not yet left (any thread)
-_tls = threading.local()  # .entered: the block this thread opened; .forwards: forward-pass stack
-
-
-def _target() -> "AttentionHooks | None":
-    """The block the current call belongs to: the innermost forward pass of a
-    patched model class in this thread (``None`` when that forward is not
-    watched), else, outside any such forward, the block this thread opened."""
-    forwards = getattr(_tls, "forwards", None)
-    if forwards:
-        return forwards[-1]
-    return getattr(_tls, "entered", None)
-
-
-def _forward_caches(args, kwargs) -> set[int]:
-    """``id`` of every cache in a forward call's ``cache`` argument (``model(inputs, cache)``)."""
-    cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-    return {id(c) for _, c in cache_leaves(cache)} if isinstance(cache, (list, tuple)) else set()
-
-
-def _block_for(model, ids: set[int]) -> "AttentionHooks | None":
-    """The open block watching a forward pass of ``model`` with the caches ``ids``:
-    same model instance, and a watched cache among ``ids`` (a block watching no
-    caches takes every forward pass of its model)."""
-    with _registry:
-        blocks = [b for b in _open if b.model is model]
-    return next((b for b in blocks if not b._index or ids & b._index.keys()), None)
-
-
-def _caller(depth: int) -> tuple:
-    frame = sys._getframe(depth + 1)
-    return frame.f_globals.get("__name__", "?"), frame.f_code
-
-
-# One wrapper per patch point, shared by every open block: each call is handed to
-# the block it belongs to (``_target``) and passes through untouched otherwise.
-def _update_wrapper(original):
-    def update_and_fetch(cache, *args, **kwargs):
-        h = _target()
-        if h is None:
-            return original(cache, *args, **kwargs)
-        return h._on_update(original, cache, args, kwargs, _caller(1))
-
-    return update_and_fetch
-
-
-def _sdpa_wrapper(original):
-    def scaled_dot_product_attention(*args, **kwargs):
-        h = _target()
-        if h is None:
-            return original(*args, **kwargs)
-        return h._on_sdpa(original, args, kwargs, _caller(1))
-
-    return scaled_dot_product_attention
-
-
-def _rope_wrapper(original):
-    def rope(*args, **kwargs):
-        out = original(*args, **kwargs)
-        h = _target()
-        if h is not None:
-            h._state().window.append((out, kwargs.get("offset", 0)))
-        return out
-
-    return rope
-
-
-def _model_wrapper(original):
-    def __call__(model, *args, **kwargs):
-        ids = _forward_caches(args, kwargs)
-        h = _block_for(model, ids)
-        forwards = _tls.__dict__.setdefault("forwards", [])
-        forwards.append(h)
-        try:
-            if h is None:
-                return original(model, *args, **kwargs)
-            return h._on_forward(original, model, args, kwargs, ids)
-        finally:
-            forwards.pop()
-
-    return __call__
-
 
 class _ThreadState:
     def __init__(self):
@@ -180,17 +99,17 @@ class AttentionHooks:
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> "AttentionHooks":
-        if getattr(_tls, "entered", None) is not None:
+        if entered() is not None:
             raise RuntimeError("observe_queries / capture_attention is already active in this thread: "
                                "nested use is not supported (close the outer block first)")
-        with _registry:
+        with REGISTRY:
             try:
                 self._install()
             except BaseException:
-                self._release()
+                release(self._held)
                 raise
-            _open.append(self)
-        _tls.entered = self
+            OPEN_BLOCKS.append(self)
+        set_entered(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -198,40 +117,18 @@ class AttentionHooks:
             if exc_type is None:
                 self.flush()
         finally:
-            with _registry:
-                if self in _open:
-                    _open.remove(self)
-                self._release()
+            with REGISTRY:
+                if self in OPEN_BLOCKS:
+                    OPEN_BLOCKS.remove(self)
+                release(self._held)
             self._index.clear()
             self._states.clear()
-            if getattr(_tls, "entered", None) is self:
-                _tls.entered = None
-
-    def _release(self) -> None:
-        """Drop this block's hold on its patch points; restore those nobody holds (under ``_registry``)."""
-        for key in reversed(self._held):
-            point = _points[key]
-            point[4] -= 1
-            if point[4] == 0:
-                owner, name, had, old, _ = _points.pop(key)
-                if had:
-                    setattr(owner, name, old)
-                else:
-                    delattr(owner, name)
-        self._held.clear()
+            if entered() is self:
+                set_entered(None)
 
     def _patch(self, owner, name: str, make: Callable[[Callable], Callable]) -> None:
-        """Hold the patch point ``owner.name``, installing ``make(original)`` if no block holds it."""
-        key = (id(owner), name)
-        point = _points.get(key)
-        if point is None:
-            had = name in vars(owner)
-            old = vars(owner).get(name)
-            original = getattr(owner, name)
-            setattr(owner, name, make(original))
-            point = _points[key] = [owner, name, had, old, 0]
-        point[4] += 1
-        self._held.append(key)
+        """Hold the patch point ``owner.name`` (see :func:`~.hook_dispatch.hold`)."""
+        self._held.append(hold(owner, name, make))
 
     def _install(self) -> None:
         mods = {n for n in sys.modules if n.startswith("mlx_lm.models.")}
@@ -239,10 +136,10 @@ class AttentionHooks:
         for name in sorted(mods):
             mod = sys.modules.get(name)
             if mod is not None and callable(vars(mod).get(SDPA)):
-                self._patch(mod, SDPA, _sdpa_wrapper)
-        self._patch(mx.fast, SDPA, _sdpa_wrapper)
-        self._patch(mx.fast, "rope", _rope_wrapper)
-        self._patch(type(self.model), "__call__", _model_wrapper)
+                self._patch(mod, SDPA, sdpa_wrapper)
+        self._patch(mx.fast, SDPA, sdpa_wrapper)
+        self._patch(mx.fast, "rope", rope_wrapper)
+        self._patch(type(self.model), "__call__", model_wrapper)
 
     # ---------------------------------------------------------------- watching
     def watch(self, caches, deliver: Callable | None = None, missing: Callable | None = None,
@@ -264,11 +161,11 @@ class AttentionHooks:
         self._index = {id(c): (p, c) for p, c in cache_leaves(caches)}
         self._delivered_at = {}
         self._deliver, self._missing, self._unpaired, self._wants = deliver, missing, unpaired, wants
-        with _registry:
+        with REGISTRY:
             for _, c in self._index.values():
                 owner = next((k for k in type(c).__mro__ if "update_and_fetch" in vars(k)), None)
                 if owner is not None and (id(owner), "update_and_fetch") not in self._held:
-                    self._patch(owner, "update_and_fetch", _update_wrapper)
+                    self._patch(owner, "update_and_fetch", update_wrapper)
 
     def flush(self) -> None:
         """Deliver or report every pending update (all threads)."""
@@ -303,7 +200,17 @@ class AttentionHooks:
             self._deliver(u, queries)
 
     # ---------------------------------------------------------------- calls handed over by the wrappers
-    def _on_update(self, original, cache, args, kwargs, caller):
+    def takes(self, ids: set[int]) -> bool:
+        """Whether a forward pass with the caches ``ids`` is this block's (a watched cache among
+        them, or this block watches no caches)."""
+        return not self._index or bool(ids & self._index.keys())
+
+    def on_rope(self, out, offset) -> None:
+        """An ``mx.fast.rope`` output (and its offset): a candidate for the next update's queries."""
+        self._state().window.append((out, offset))
+
+    def on_update(self, original, cache, args, kwargs, caller):
+        """A watched class's ``update_and_fetch``: run it; the update waits for its queries."""
         entry = self._index.get(id(cache))
         if entry is None or entry[1] is not cache:
             return original(cache, *args, **kwargs)
@@ -321,7 +228,8 @@ class AttentionHooks:
         st.pending = Update(path[0], path, cache, keys, keys_out, rope_queries(window, keys), caller)
         return out
 
-    def _on_sdpa(self, original, args, kwargs, caller):
+    def on_sdpa(self, original, args, kwargs, caller):
+        """An SDPA call: deliver its queries to the pending update it matches; run it."""
         queries = args[0] if args else kwargs.get("queries", kwargs.get("q"))
         keys = args[1] if len(args) > 1 else kwargs.get("keys", kwargs.get("k"))
         cache = args[3] if len(args) > 3 else kwargs.get("cache")
@@ -342,7 +250,8 @@ class AttentionHooks:
         finally:
             st.sdpa_depth -= 1
 
-    def _on_forward(self, original, model, args, kwargs, ids: set[int]):
+    def on_forward(self, original, model, args, kwargs, ids: set[int]):
+        """A watched forward pass: run it; then flush and report caches advanced without queries."""
         before = {k: v for k, v in self._offsets().items() if k in ids}
         try:
             out = original(model, *args, **kwargs)
