@@ -55,6 +55,9 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
     Args:
         config: a validated :class:`KVCacheConfig` (``method`` selects the scorer).
         layer_idx: index of the layer (seeds the ``random`` arm).
+        filters: this layer's fixed Q-Filter ``[H_kv, D]`` (any float dtype, stored
+            float32; score ``sign * <k, f>``): eviction starts at the first call. Needed
+            with ``qfilters_filter_source="calibrated"``; ``None`` for the online filters.
 
     Attributes:
         offset: absolute number of tokens fed (the RoPE position of the next token).
@@ -63,7 +66,9 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 
     Raises:
         TypeError: ``config`` is not a :class:`KVCacheConfig`.
-        ValueError: the configured backend is not available.
+        ValueError: the configured backend is not available; ``filters`` is ``None`` with
+            ``qfilters_filter_source="calibrated"`` (the default: those filters come from
+            ``KVCacheBuilder.for_model``).
     """
 
     step = 256
@@ -88,6 +93,12 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
             if hd is not None and filters.shape[1] != hd:
                 raise ValueError(f"filters head_dim {filters.shape[1]} != config.head_dim {hd}")
             filters = filters.astype(mx.float32)
+        elif config.method == "qfilters" and config.qfilters_filter_source == "calibrated":
+            raise ValueError(
+                "qfilters_filter_source='calibrated' (the default) scores with the model's calibrated "
+                "query filter, which KVCacheBuilder.for_model / install find or make: build the caches "
+                "with them, pass filters= ([H_kv, D]), or choose an online filter "
+                "(qfilters_filter_source='queries' inside observe_queries, or 'keys')")
         self.config = config
         self.layer_idx = int(layer_idx)
         self.backend = get_backend(config.qfilters_backend)

@@ -16,11 +16,11 @@ mlx-lm's ``main``:
   reuse across requests): logs each finished request's tokens seen, kept
   tokens and KV bytes (against a full cache) when its cache is stored.
 
-The configuration is printed at start. Configurations that estimate the filter
-from observed queries (``--filter-source queries``, ``--sign auto``) cannot run
-here (mlx-lm builds and batches the caches itself, outside ``observe_queries``):
-without ``--filters`` and ``--filter-source``, the server uses the key filter
-(``--filter-source keys``) and says so; asking for queries explicitly is refused.
+The configuration is printed at start, and the log names the filter in use and where it came
+from. The default is the library's: the model's calibrated query filter, found or made once by
+:meth:`KVCacheBuilder.install` (:mod:`qfilters_mlx.filters.default_filters`). The opt-in online
+query filters (``--filter-source queries``, ``--sign auto``) cannot run here (mlx-lm builds and
+batches the caches itself, outside ``observe_queries``) and are refused.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 __all__ = ["LoggingPromptCache", "QFiltersModelProvider", "add_parser", "request_summary", "run"]
 
@@ -83,10 +84,13 @@ def _classes():
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             super()._load(model_path, adapter_path, draft_model_path)
-            report = KVCacheBuilder.install(self.model, _CONFIG)
+            folder = model_path if isinstance(model_path, str) and Path(model_path).is_dir() else None
+            report = KVCacheBuilder.install(self.model, _CONFIG, tokenizer=self.tokenizer,
+                                            model_path=folder)
             logging.info(f"qfilters-mlx: {report.summary()}")
             if self.draft_model is not None:
-                KVCacheBuilder.install(self.draft_model, _CONFIG)
+                draft = KVCacheBuilder.install(self.draft_model, _CONFIG, tokenizer=self.tokenizer)
+                logging.info(f"qfilters-mlx: draft model: {draft.summary()}")
             self.is_batchable = self.draft_model is None and all(
                 hasattr(c, "merge") for c in make_prompt_cache(self.model))
 
@@ -114,13 +118,9 @@ def _config(parser, args):
     if args.method == "qfilters" and args.filters is None:
         if args.filter_source == "queries" or args.sign == "auto":
             parser.error("--filter-source queries and --sign auto estimate the filter from observed "
-                         "queries, which mlx_lm.server's own batching cannot deliver: use "
-                         "--filter-source keys (the server's default) or --filters FILE from "
-                         "`qfilters-mlx calibrate`")
-        if args.filter_source is None:
-            args.filter_source = "keys"
-            print("qfilters-mlx server: --filter-source keys (the query filter needs observed "
-                  "queries, which mlx_lm.server's batching does not deliver)", file=sys.stderr)
+                         "queries, which mlx_lm.server's own batching cannot deliver: use the "
+                         "default (the calibrated query filter), --filters FILE from "
+                         "`qfilters-mlx calibrate`, or --filter-source keys")
     warn_ignored(parser, args)
     config = config_from_args(parser, args)
     return config, describe_config(config)
