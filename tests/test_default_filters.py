@@ -201,3 +201,56 @@ def test_default_config_is_valid_without_a_model_and_means_the_calibrated_filter
     cfg = KVCacheConfig()
     assert cfg.qfilters_filter_source == "calibrated" and cfg.qfilters_sign == 1
     assert not cfg.needs_queries and json.loads(json.dumps(cfg.qfilters_filter_source)) == "calibrated"
+
+
+def test_server_with_no_cache_flags_logs_the_calibrated_filter(folder, caplog):
+    """``qfilters-mlx server``'s model provider (mlx-lm's ``ModelProvider._load``) with the
+    configuration the server builds from no cache flags: the library's default, logged."""
+    import argparse
+    import logging
+
+    from qfilters_mlx.commands import server
+
+    p = server.cache_parser()
+    args, rest = p.parse_known_args(["--port", "9"])
+    config, described = server._config(p, args)
+    assert config == KVCacheConfig() and "filter_source=calibrated" in described
+    cli = argparse.Namespace(model=str(folder), adapter_path=None, draft_model=None, pipeline=False,
+                             trust_remote_code=False, chat_template=None,
+                             use_default_chat_template=False)
+    provider = server.QFiltersModelProvider(cli)
+    old, server._CONFIG = server._CONFIG, config
+    try:
+        with caplog.at_level(logging.INFO):
+            provider._load(str(folder))
+    finally:
+        server._CONFIG = old
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(folder))  # the file the server used: by model identity
+    stored = default_filters.stored_path(model_identity(model))
+    assert stored.is_file()
+    line = [r.getMessage() for r in caplog.records if "qfilters-mlx: all" in r.getMessage()]
+    assert len(line) == 1 and f"filter: calibrated query filter {stored}" in line[0]
+    caches = provider.model.make_cache()
+    np.testing.assert_array_equal(np.array(caches[0].filter), _file_filters(stored)[0])
+    assert provider.is_batchable
+
+
+def test_batch_generator_with_the_default_config_equals_each_row_alone():
+    """mlx-lm's ``BatchGenerator`` builds and merges the installed caches itself: with the
+    default config (the calibrated filter, no ``observe_queries``) each row's tokens, logprobs
+    and kept positions equal the prompt generated alone."""
+    from batch_helpers import batched, prompts, tiny_llama
+    from test_batch_cache import LENGTHS, _check_against_alone
+
+    model = tiny_llama()
+    cfg = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=4)
+    report = KVCacheBuilder.install(model, cfg)
+    assert "calibrated query filter" in report.filters
+    rows = prompts(LENGTHS)
+    toks, caches, lps = batched(model, rows, 10)
+    assert all(c.filter is not None and c.config.qfilters_filter_source == "calibrated"
+               for cs in caches.values() for c in cs)
+    assert max(c.size() for c in caches[3]) == 16  # the 70-token row holds the budget
+    _check_against_alone(model, cfg, rows, toks, caches, lps, 10)

@@ -167,3 +167,28 @@ def test_generate_under_mlx_launch_prints_on_rank_0_only(runs):
     assert f"({one_kept} bytes)" in lines["KV bytes kept, all ranks"]
     assert f"({one_full} bytes)" in lines["KV bytes full, all ranks"]
     assert "Tensor parallel" not in single
+
+
+def test_default_config_calibrates_once_for_all_ranks_and_matches_one_process(runs):
+    """The default (the calibrated query filter) under mlx.launch: the ranks calibrate
+    together, rank 0 stores one whole-model file, each rank scores with its head's slice (equal
+    to one process's filters to float32 summation order) and, with no observe_queries, every
+    rank holds the budget and keeps the positions one process keeps."""
+    import mlx.core as mx
+
+    out, one, ranks = runs
+    files = [sorted((out / run / "home" / "filters").glob("*.safetensors")) for run in ("single", "tp")]
+    assert [len(f) for f in files] == [1, 1] and files[0][0].name == files[1][0].name  # model id
+    whole = np.array(mx.load(str(files[1][0]))["filters"])
+    for r, d in enumerate(ranks):
+        np.testing.assert_array_equal(d["default_filters"], whole[:, r:r + 1])
+        assert f"filter: calibrated query filter {files[1][0]}" in info(d)["default_summary"]
+        assert info(d)["default_sizes"] == [16] * 30
+    cos = (np.concatenate([d["default_filters"] for d in ranks], axis=1) * one["default_filters"]).sum(-1)
+    assert cos.min() > 0.9999, cos.min()
+    kept = np.concatenate([d["default_kept"] for d in ranks], axis=1)
+    assert kept.shape == one["default_kept"].shape == (30, 3, 16)
+    bad = np.argwhere((kept != one["default_kept"]).any(axis=2))
+    assert bad.size == 0, f"(layer, head) keeping other positions: {bad.tolist()}"
+    for d in ranks:
+        np.testing.assert_array_equal(d["default_tokens"], one["default_tokens"])
