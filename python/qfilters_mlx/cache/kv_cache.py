@@ -83,22 +83,7 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | None = None):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if filters is not None:
-            if not isinstance(filters, mx.array) or filters.ndim != 2:
-                raise ValueError("filters must be an mx.array [H_kv, D], got "
-                                 f"{getattr(filters, 'shape', type(filters).__name__)}")
-            if not mx.issubdtype(filters.dtype, mx.floating):
-                raise TypeError(f"filters must be floating point, got {filters.dtype}")
-            hd = config.head_dim
-            if hd is not None and filters.shape[1] != hd:
-                raise ValueError(f"filters head_dim {filters.shape[1]} != config.head_dim {hd}")
-            filters = filters.astype(mx.float32)
-        elif config.method == "qfilters" and config.qfilters_filter_source == "calibrated":
-            raise ValueError(
-                "qfilters_filter_source='calibrated' (the default) scores with the model's calibrated "
-                "query filter, which KVCacheBuilder.for_model / install find or make: build the caches "
-                "with them, pass filters= ([H_kv, D]), or choose an online filter "
-                "(qfilters_filter_source='queries' inside observe_queries, or 'keys')")
+        filters = self._checked_filters(config, filters)
         self.config = config
         self.layer_idx = int(layer_idx)
         self.backend = get_backend(config.qfilters_backend)

@@ -261,7 +261,7 @@ def resolve_filters(model, config, tokenizer=None, model_path=None) -> ResolvedF
         filters, meta = load_filters(f, model)
         return ResolvedFilters(filters, config, _describe_file(f, meta, "given"))
     if f is not None:
-        return ResolvedFilters(f, config, "query filter array (given)")
+        return ResolvedFilters(f, config, "filters array (given)")
     if config.qfilters_filter_source == "queries":
         return ResolvedFilters(None, config, f"online query filter from the first "
                                              f"{config.qfilters_calib_tokens} queries (needs "
