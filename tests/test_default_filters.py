@@ -37,23 +37,12 @@ def _file_filters(path):
 
 
 def test_method_page_example_holds_the_budget_through_mlx_lm_generate(folder, empty_home):
-    # The method page's usage example as written; only the import name and the model path differ.
     import mlx_lm
-    from qfilters_mlx import KVCacheConfig, KVCacheBuilder
+    from method_example import run
 
-    model, tokenizer = mlx_lm.load(str(folder))
-
-    config = KVCacheConfig(
-        method="qfilters",
-        head_dim=128,
-        qfilters_budget=512,        # max tokens kept (incl. sinks)
-        qfilters_n_sink=4,          # leading positions never evicted
-        qfilters_recent=0,          # trailing protected window (extension, off)
-        qfilters_calib_tokens=128,  # tokens observed before the filter freezes
-        qfilters_sign=1,            # +1 = paper direction; -1 = inverted ablation
-    )
-    caches = KVCacheBuilder.for_model(model, config)
-    model.make_cache = lambda *_a, **_k: caches
+    ns = run(folder)  # the method page's example; the model path (and import name) differ
+    model, tokenizer, caches = ns["model"], ns["tokenizer"], ns["caches"]
+    assert ns["config"].qfilters_filter_source == "calibrated"
     # End of the example: generation needs no context manager.
     prompt = tokenizer.encode(PROMPT)
     assert len(prompt) == len(PROMPT.encode())

@@ -15,24 +15,15 @@ def empty_home(tmp_path, monkeypatch):
 
 
 def test_method_page_example_holds_the_budget_through_mlx_lm_generate(model_path, empty_home, capsys):
-    # The method page's usage example; the import name and the model path differ, and head_dim is
-    # SmolLM2's (64; the page's 128 is its Llama-3.2-3B's, and a wrong width is refused by name).
     import mlx_lm
-    from qfilters_mlx import KVCacheConfig, KVCacheBuilder
+    from method_example import run
 
-    model, tokenizer = mlx_lm.load(str(model_path))
+    from qfilters_mlx import KVCacheBuilder, KVCacheConfig
 
-    config = KVCacheConfig(
-        method="qfilters",
-        head_dim=64,
-        qfilters_budget=512,        # max tokens kept (incl. sinks)
-        qfilters_n_sink=4,          # leading positions never evicted
-        qfilters_recent=0,          # trailing protected window (extension, off)
-        qfilters_calib_tokens=128,  # tokens observed before the filter freezes
-        qfilters_sign=1,            # +1 = paper direction; -1 = inverted ablation
-    )
-    caches = KVCacheBuilder.for_model(model, config)
-    model.make_cache = lambda *_a, **_k: caches
+    # The method page's example; the model path differs, and head_dim is SmolLM2's (64; the
+    # page's 128 is its Llama-3.2-3B's, and a wrong width is refused by name, tested below).
+    ns = run(model_path, head_dim=64)
+    model, tokenizer, caches = ns["model"], ns["tokenizer"], ns["caches"]
     # End of the example.
     from qfilters_mlx.assets.prompts import long_prompt
     from qfilters_mlx.filters.default_filters import stored_path

@@ -116,14 +116,19 @@ def test_kept_positions_and_tokens_match_one_process(runs):
         np.testing.assert_array_equal(d["tokens"], one["tokens"])
 
 
-def test_key_filter_with_sign_auto_matches_one_process(runs):
-    _, one, ranks = runs
-    kept = np.concatenate([d["auto_kept"] for d in ranks], axis=1)
-    assert kept.shape == one["auto_kept"].shape == (30, 3, 16)
-    bad = np.argwhere((kept != one["auto_kept"]).any(axis=2))
+def _same_as_one_process(one, ranks, arm):
+    """The ranks' kept positions of ``arm`` (joined over heads) and tokens equal one process's."""
+    kept = np.concatenate([d[f"{arm}_kept"] for d in ranks], axis=1)
+    assert kept.shape == one[f"{arm}_kept"].shape == (30, 3, 16)
+    bad = np.argwhere((kept != one[f"{arm}_kept"]).any(axis=2))
     assert bad.size == 0, f"(layer, head) keeping other positions: {bad.tolist()}"
     for d in ranks:
-        np.testing.assert_array_equal(d["auto_tokens"], one["auto_tokens"])
+        np.testing.assert_array_equal(d[f"{arm}_tokens"], one[f"{arm}_tokens"])
+
+
+def test_key_filter_with_sign_auto_matches_one_process(runs):
+    _, one, ranks = runs
+    _same_as_one_process(one, ranks, "auto")
 
 
 def test_each_rank_holds_a_third_of_the_kv_bytes(runs):
@@ -186,9 +191,4 @@ def test_default_config_calibrates_once_for_all_ranks_and_matches_one_process(ru
         assert info(d)["default_sizes"] == [16] * 30
     cos = (np.concatenate([d["default_filters"] for d in ranks], axis=1) * one["default_filters"]).sum(-1)
     assert cos.min() > 0.9999, cos.min()
-    kept = np.concatenate([d["default_kept"] for d in ranks], axis=1)
-    assert kept.shape == one["default_kept"].shape == (30, 3, 16)
-    bad = np.argwhere((kept != one["default_kept"]).any(axis=2))
-    assert bad.size == 0, f"(layer, head) keeping other positions: {bad.tolist()}"
-    for d in ranks:
-        np.testing.assert_array_equal(d["default_tokens"], one["default_tokens"])
+    _same_as_one_process(one, ranks, "default")
