@@ -243,3 +243,16 @@ def test_batch_generator_with_the_default_config_equals_each_row_alone():
                for cs in caches.values() for c in cs)
     assert max(c.size() for c in caches[3]) == 16  # the 70-token row holds the budget
     _check_against_alone(model, cfg, rows, toks, caches, lps, 10)
+
+
+def test_a_file_made_without_a_tokenizer_is_replaced_once_a_tokenizer_is_at_hand(folder, empty_home):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(folder))
+    first = KVCacheBuilder.for_model(model)  # no tokenizer: the model samples its own text
+    assert default_filters.TOKENIZER_FREE in first.report.filters
+    second = KVCacheBuilder.for_model(model, tokenizer=tokenizer)
+    assert "calibrated now" in second.report.filters and "pydoc_data" in second.report.filters
+    third = KVCacheBuilder.for_model(model)  # the text-calibrated file now serves every build
+    assert "found by model identity" in third.report.filters and "pydoc_data" in third.report.filters
+    np.testing.assert_array_equal(np.array(third[0].filter), np.array(second[0].filter))

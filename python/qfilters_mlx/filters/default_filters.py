@@ -19,7 +19,9 @@ model the caches are built for". :meth:`qfilters_mlx.KVCacheBuilder.for_model` r
 
 Tokens need a tokenizer: the one passed to ``for_model(..., tokenizer=)``, else the model
 folder's (``model_path=``). Without either, the model samples its own calibration text
-(temperature 1, from a seeded random start token): :data:`TOKENIZER_FREE` says what that costs.
+(temperature 1, from a seeded random start token; ``bench/results/calibration_tokens.md``
+compares those filters with text-calibrated ones); such a file is replaced by a text-calibrated
+one at the first build that has a tokenizer.
 
 When no query-derived filter can be had (the model's queries cannot be captured) the caches
 use the online key-SVD filter (sign :data:`qfilters_mlx.config.DEFAULT_KEY_SIGN`) and one line on
@@ -98,7 +100,9 @@ def _describe_file(path, meta: dict, how: str) -> str:
     return f"calibrated query filter {path} ({how}; {tokens} tokens of {text})"
 
 
-def _found(model, model_id: str, model_path) -> ResolvedFilters | None:
+def _found(model, model_id: str, model_path, text_possible: bool) -> ResolvedFilters | None:
+    """The model folder's file, else the user-cache file; a user-cache file made without a
+    tokenizer is passed over when one is at hand (it is then calibrated on text and replaced)."""
     from qfilters_mlx.filters.calibration import load_filters
 
     candidates = []
@@ -108,6 +112,8 @@ def _found(model, model_id: str, model_path) -> ResolvedFilters | None:
         candidates.append((stored_path(model_id), "found by model identity"))
     for path, how in candidates:
         filters, meta = load_filters(str(path), model)  # a file for another model raises
+        if how != "the model folder's" and text_possible and meta.get("calibration_text") == TOKENIZER_FREE:
+            continue
         return ResolvedFilters(filters, None, _describe_file(path, meta, how))
     return None
 
@@ -276,7 +282,8 @@ def resolve_filters(model, config, tokenizer=None, model_path=None) -> ResolvedF
     from qfilters_mlx.identity import model_identity
 
     model_id = model_identity(model)
-    found = _found(model, model_id, model_path)
+    text_possible = tokenizer is not None or (model_path is not None and Path(model_path).is_dir())
+    found = _found(model, model_id, model_path, text_possible)
     if found is not None:
         return replace(found, config=config)
     resolved = _calibrate_now(model, model_id, _tokenizer(tokenizer, model_path), config)
