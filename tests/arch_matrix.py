@@ -1,7 +1,7 @@
 """The architecture matrix: how ``KVCacheBuilder.for_model`` treats every mlx-lm architecture.
 
 Shared by ``tests/test_architectures.py`` (which checks each row's promise) and
-``tools/arch_table.py`` (which prints the README table). A row is one
+``tools/arch_table.py`` (which prints the table of docs/mlx-lm.md). A row is one
 ``mlx_lm.models`` module, built tiny by :mod:`arch_models`:
 
 * ``supported``: every cache slot gets a :class:`QFiltersKVCache`;
@@ -80,7 +80,7 @@ def rows() -> list[Row]:
 
 
 def markdown_table(all_rows: list[Row] | None = None) -> str:
-    """The README table (``| architecture | status | why |``), one line per module."""
+    """The architecture table of docs/mlx-lm.md (``| architecture | status | why |``), one line per module."""
     all_rows = rows() if all_rows is None else all_rows
     lines = ["| architecture | status | why |", "|---|---|---|"]
     lines += [f"| {r.module} | {r.status} | {r.why} |" for r in all_rows]

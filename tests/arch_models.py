@@ -51,7 +51,7 @@ SKIP: dict[str, str] = {
     "phi3small": "the tiny model segfaults in MLX on the CPU with its own KVCache (no Q-Filters cache involved)",
     "prism_hadamard_qwen35": "needs a packed Hadamard-quantized checkpoint to build",
 }
-"""Modules not built, with the reason (shown in the README table)."""
+"""Modules not built, with the reason (shown in the table of docs/mlx-lm.md)."""
 
 _TWO = ["sliding_attention", "full_attention"]
 _MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,

@@ -5,15 +5,15 @@ mx.fast.scaled_dot_product_attention, inline attention through mx.fast.rope)
 delivers the post-RoPE queries, checked against queries recomputed from each
 attention module; a path that cannot be observed raises naming the layer, at
 observe_queries entry or at the latest at the end of the forward pass; patches
-are undone on every exit; use is serialised.
+are undone on every exit; blocks in two threads run side by side.
 """
 
 import sys
 import threading
-import time
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_map
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from observe_models import HandWritten, attention_of, build, recording_inputs
@@ -203,22 +203,32 @@ def test_patches_restored_after_errors_and_nesting_refused():
     assert patch_points(model) == before
 
 
-def test_concurrent_blocks_are_serialised():
-    model, _ = build("llama")
-    log, inside = [], threading.Event()
+def test_concurrent_blocks_on_two_models_each_see_only_their_own():
+    """Two threads, each inside its own block on its own model (same class), both
+    blocks open at once: each sees exactly the queries it sees alone."""
+    models = [build("llama")[0], build("llama")[0]]
+    models[1].update(tree_map(lambda p: -p, models[1].parameters()))
 
-    def other():
-        with capture_attention(model, lambda *a: None, caches=[KVCache(), KVCache()]):
-            log.append("other in")
+    def capture(model, both_inside=None):
+        seen, caches = [], [KVCache(), KVCache()]
+        with capture_attention(model, lambda l, q, k: seen.append((l, np.array(q))), caches=caches):
+            if both_inside is not None:
+                both_inside.wait(5)
+            model(tokens(5), cache=caches)
+        return seen
 
-    with capture_attention(model, lambda *a: None, caches=[KVCache(), KVCache()]):
-        t = threading.Thread(target=other)
+    alone = [capture(m) for m in models]
+    barrier, got = threading.Barrier(2), [None, None]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, capture(models[i], barrier)))
+               for i in range(2)]
+    for t in threads:
         t.start()
-        time.sleep(0.2)
-        log.append("first out")
-        inside.set()
-    t.join(5)
-    assert log == ["first out", "other in"]
+    for t in threads:
+        t.join(10)
+    for want, seen in zip(alone, got):
+        assert [layer for layer, _ in seen] == [layer for layer, _ in want] == [0, 1]
+        for (_, w), (_, g) in zip(want, seen):
+            np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "handwritten"])

@@ -134,7 +134,8 @@ def test_rewind_beyond_the_journal_raises_before_changing_anything():
 def test_depth_zero_keeps_nothing_and_refuses_rewinds_after_eviction():
     k, v = rand_kv(2)
     c = QFiltersKVCache(cfg(depth=0))
-    assert c.is_trimmable()  # nothing evicted: every token stored, a plain trim is exact
+    # mlx-lm is told no (a later rewind could not be exact); trim itself is exact until the eviction
+    assert not c.is_trimmable()
     c.update_and_fetch(k[:, :, :10], v[:, :, :10])
     assert c.trim(3) == 3 and c.offset == 7  # before any eviction: a plain trim
     c.update_and_fetch(k[:, :, 7:40], v[:, :, 7:40])

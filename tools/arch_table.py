@@ -1,9 +1,9 @@
-"""Print (or write) the README's architecture table from the architecture matrix.
+"""Print (or write) the architecture table of docs/mlx-lm.md from the architecture matrix.
 
 Usage: ``python tools/arch_table.py [OUT.md]`` (the installed package). The rows come
 from ``tests/arch_matrix.py``, the same code ``tests/test_architectures.py``
-checks; ``test_readme_table_matches_the_matrix`` compares README.md's
-"## Architectures" section with this output.
+checks; ``test_docs_table_matches_the_matrix`` compares the "## Architectures"
+section of docs/mlx-lm.md with this output.
 """
 
 import os

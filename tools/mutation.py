@@ -189,7 +189,7 @@ def prepare(workdir: Path, modules, tests, deselect) -> None:
     (workdir / "src").mkdir(parents=True)
     shutil.copytree(REPO / "python" / "qfilters_mlx", workdir / "src" / "qfilters_mlx",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for extra in ("metal", "csrc", "README.md"):  # read by some tests
+    for extra in ("metal", "csrc", "README.md", "docs"):  # read by some tests
         src = REPO / extra
         if src.is_dir():
             shutil.copytree(src, workdir / extra)

@@ -145,9 +145,10 @@ class KVCacheConfig:
             (speculative decoding's rejected drafts, prompt-cache prefixes): the
             cache keeps what its last calls overwrote or evicted (see
             ``qfilters_mlx.cache.journal``; counted in ``nbytes``). Deeper rewinds
-            raise. ``0`` (default) keeps nothing: ``is_trimmable()`` is then False after
-            the first eviction (mlx-lm's server reuses only stored prefixes) and a
-            rewind after it raises ``ValueError`` naming this field. Default 0 because the journal doubles the cache's
+            raise. ``0`` (default) keeps nothing: ``is_trimmable()`` is then False (mlx-lm
+            refuses speculative decoding before the prompt; its server reuses stored
+            prefixes without trimming) and ``trim`` after an eviction raises ``ValueError``
+            naming this field. Default 0 because the journal doubles the cache's
             decode-step cost (``bench/results/rewind.md``: 1.4 -> 3.3 ms per step over
             30 layers at budget 256); set it to at least ``num_draft_tokens`` for
             speculative decoding (``qfilters-mlx generate --draft-model`` does).

@@ -1,12 +1,19 @@
-"""Let mlx-lm's ``load_prompt_cache`` find ``QFiltersKVCache`` after ``import qfilters_mlx``.
+"""Let mlx-lm's ``load_prompt_cache`` find our cache classes in any process.
 
 ``mlx_lm.models.cache.load_prompt_cache`` resolves each saved cache class with
-``globals()[name]`` in its own module, so the class must be an attribute of
-``mlx_lm.models.cache``. :mod:`qfilters_mlx.cache.kv_cache` adds it when it is
-imported; this module makes that happen as soon as ``mlx_lm.models.cache`` is
-imported (or at once if it already is), without importing MLX itself: a finder
-on ``sys.meta_path`` wraps the loader of ``mlx_lm.models.cache`` and imports our
-cache module right after mlx-lm's has run. Nothing else in mlx-lm changes.
+``globals()[name]`` in its own module, so ``QFiltersKVCache``,
+``QuantizedQFiltersKVCache`` and ``BatchQFiltersCache`` must be attributes of
+``mlx_lm.models.cache``. Our cache modules add them when they are imported; this
+module makes that happen as soon as ``mlx_lm.models.cache`` is imported (or at once
+if it already is), without importing MLX itself: a finder on ``sys.meta_path`` wraps
+the loader of ``mlx_lm.models.cache`` and imports our cache modules right after
+mlx-lm's has run. Nothing else in mlx-lm changes.
+
+Two callers install it: ``import qfilters_mlx``, and, in an installed package, the
+``qfilters_mlx.pth`` startup file (through ``_qfilters_mlx_startup``), so that a
+process that never imports ``qfilters_mlx`` (``mlx_lm.generate --prompt-cache-file``)
+still reads files written by ``qfilters-mlx cache-prompt``. This module imports only
+the standard library, so the startup file can load it without importing the package.
 """
 
 from __future__ import annotations
@@ -16,15 +23,18 @@ import importlib.abc
 import sys
 
 TARGET = "mlx_lm.models.cache"
-OUR_MODULE = "qfilters_mlx.cache.kv_cache"
+# importing each registers its classes in mlx_lm.models.cache
+OUR_MODULES = ("qfilters_mlx.cache.kv_cache", "qfilters_mlx.cache.batch")
+MARKER = "_registers_qfilters_mlx_caches"
 
 
 def _register() -> None:
-    importlib.import_module(OUR_MODULE)  # sets mlx_lm.models.cache.QFiltersKVCache
+    for name in OUR_MODULES:
+        importlib.import_module(name)
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    """Runs the real loader of ``mlx_lm.models.cache``, then registers our class."""
+    """Runs the real loader of ``mlx_lm.models.cache``, then registers our classes."""
 
     def __init__(self, loader):
         self._loader = loader
@@ -47,8 +57,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         if name != TARGET:
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
+            if getattr(finder, MARKER, False) or not hasattr(finder, "find_spec"):
+                continue  # this finder, or the same one installed by the other caller
             spec = finder.find_spec(name, path, target)
             if spec is not None:
                 if spec.loader is not None:
@@ -57,10 +67,14 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+setattr(_Finder, MARKER, True)
+
+
 def install() -> None:
-    """Register now if ``mlx_lm.models.cache`` is imported, else when it is (idempotent)."""
+    """Register now if ``mlx_lm.models.cache`` is imported, else when it is (idempotent,
+    also across the two callers, which may hold two copies of this module)."""
     if TARGET in sys.modules:
         _register()
         return
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+    if not any(getattr(f, MARKER, False) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

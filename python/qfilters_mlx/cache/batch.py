@@ -30,6 +30,7 @@ an unfinished ``prepare`` is not saved).
 from __future__ import annotations
 
 import copy
+import json
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
@@ -39,7 +40,7 @@ from qfilters_mlx.cache.batch_rows import check_rows, padded_mask, plan_rows
 
 __all__ = ["BatchQFiltersCache"]
 
-_ROW_STATE = 7  # entries of one QFiltersKVCache state
+_META = 6  # index of the JSON meta in a row's state (7 entries; 8 with kv_bits: + fp_keys)
 
 
 class BatchQFiltersCache(_BaseCache):
@@ -66,6 +67,7 @@ class BatchQFiltersCache(_BaseCache):
             raise ValueError(f"left_padding has {len(self._skip)} entries for {len(caches)} rows")
         self._remaining = [None] * len(caches)
         self._last = None  # plan of the last update, for observe_queries
+        self._last_kv = None  # what the last update returned (keys_and_values)
 
     # ------------------------------------------------------------ batch protocol
     @classmethod
@@ -98,6 +100,7 @@ class BatchQFiltersCache(_BaseCache):
         self._skip = [self._skip[i] for i in idx]
         self._remaining = [self._remaining[i] for i in idx]
         self._last = None
+        self._last_kv = None
 
     def extend(self, other: "BatchQFiltersCache") -> None:
         """Append the rows of ``other`` (rows joining mid-generation).
@@ -115,6 +118,7 @@ class BatchQFiltersCache(_BaseCache):
         self._skip += other._skip
         self._remaining += other._remaining
         self._last = None
+        self._last_kv = None
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         """Announce padding of the next call(s), as mlx-lm's batch caches take it.
@@ -158,6 +162,9 @@ class BatchQFiltersCache(_BaseCache):
         B, H, N = keys.shape[:3]
         if B != len(self.caches):
             raise ValueError(f"keys hold {B} sequences for {len(self.caches)} batch rows")
+        if N == 0:
+            raise ValueError("keys must hold at least one token (L >= 1)")
+        self._last_kv = None
         plan = plan_rows(N, self._skip, self._remaining)
         sizes = self._sizes(plan)
         # Evaluate (or schedule) this layer's inputs once: each row then walks only its own graph.
@@ -170,11 +177,28 @@ class BatchQFiltersCache(_BaseCache):
             self._skip[i] -= s
             if self._remaining[i] is not None:
                 self._remaining[i] -= n
-            if out is not None and out[0].shape[2] != sizes[i] + n:
-                raise ValueError(f"row {i} returned {out[0].shape[2]} keys, expected {sizes[i] + n}")
+            if out is not None and _rows(out[0]) != sizes[i] + n:
+                raise ValueError(f"row {i} returned {_rows(out[0])} keys, expected {sizes[i] + n}")
         self._last = plan
         S = max(max(sizes[i] + n for i, (_, n) in enumerate(plan)), 1)
-        return _stack(outs, keys, values, S)
+        out = _stack(outs, keys, values, S)
+        if self.caches[0].keep_last_kv:
+            self._last_kv = out
+        return out
+
+    def keys_and_values(self):
+        """What the last :meth:`update_and_fetch` returned (``[B, H_kv, S, D]`` each, rows
+        left-padded), as :meth:`QFiltersKVCache.keys_and_values` for a batch.
+
+        Raises:
+            ValueError: the rows do not keep it (``keep_last_kv``), or no update since the
+                batch was built, filtered, extended or trimmed.
+        """
+        if not self.caches[0].keep_last_kv:
+            self.caches[0].keys_and_values()  # raises, naming keep_last_kv
+        if self._last_kv is None:
+            raise ValueError("keys_and_values() before any update_and_fetch of this batch")
+        return self._last_kv
 
     def _sizes(self, plan) -> list[int]:
         """Each row's stored tokens before this call, after the compress-once trigger of its
@@ -242,42 +266,90 @@ class BatchQFiltersCache(_BaseCache):
         return all(c.is_trimmable() for c in self.caches)
 
     def trim(self, n: int) -> int:
-        """Trim ``n`` tokens from every row (as ``BatchKVCache.trim``).
+        """Trim ``n`` tokens from every row (as ``BatchKVCache.trim``); all rows or none.
 
         Raises:
-            ValueError: the rows would trim different numbers of tokens.
+            ValueError: some row cannot rewind ``n`` tokens, or the rows would trim
+                different numbers of tokens; checked for every row before any changes.
         """
+        counts = []
+        for i, c in enumerate(self.caches):
+            try:
+                counts.append(c.trim_count(n))
+            except ValueError as err:
+                raise ValueError(f"trim({n}): row {i} cannot: {err}; no row was trimmed") from err
+        if len(set(counts)) > 1:
+            raise ValueError(f"trim({n}): the rows would trim {counts} tokens; no row was trimmed "
+                             "(trim rows one by one)")
+        self._last_kv = None
         done = [c.trim(n) for c in self.caches]
-        if len(set(done)) > 1:
-            raise ValueError(f"trim({n}): rows trimmed {done} tokens; trim rows one by one")
         return done[0] if done else 0
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Refused: quantized storage (``kv_bits``) is per-sequence only for now (a batch
-        pads its rows' K/V into one array; quantized rows are packed tuples).
+    # ------------------------------------------------------------ quantized rows (kv_bits)
+    @property
+    def bits(self) -> int:
+        """The rows' ``kv_bits`` (mlx-lm's attention takes the quantized path when a cache has
+        ``bits``); absent (``AttributeError``) when the rows store K/V unquantized."""
+        bits = self.caches[0].config.kv_bits if self.caches else None
+        if bits is None:
+            raise AttributeError("bits")
+        return bits
+
+    @property
+    def group_size(self) -> int:
+        """The rows' ``kv_group_size``; absent when the rows are unquantized (see :attr:`bits`)."""
+        self.bits  # noqa: B018 - raises AttributeError for unquantized rows
+        return self.caches[0].config.kv_group_size
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "BatchQFiltersCache":
+        """The batch with every row converted by ``QFiltersKVCache.to_quantized`` (each row
+        continues exactly as it would alone); pending padding carries over.
+
+        The rows are converted into new caches; this batch is not changed.
 
         Raises:
-            ValueError: always, naming ``kv_bits``, before any state changes.
+            ValueError: what a row's ``to_quantized`` raises.
         """
-        raise ValueError(f"kv_bits={bits} (quantized KV storage) is not supported for batched "
-                         "generation (BatchQFiltersCache): run the batch without kv_bits, or "
-                         "generate per sequence with kv_bits")
+        rows = [c.to_quantized(group_size=group_size, bits=bits) for c in self.caches]
+        out = BatchQFiltersCache(rows)
+        out._skip, out._remaining = list(self._skip), list(self._remaining)
+        return out
 
     @property
     def state(self):
-        """Every row's ``state`` (7 entries each), in row order."""
+        """Every row's ``state`` (7 entries each; 8 for quantized rows), in row order."""
         return tuple(x for c in self.caches for x in c.state)
 
     @state.setter
     def state(self, v):
-        if len(v) % _ROW_STATE:
-            raise ValueError(f"state must hold {_ROW_STATE} entries per row, got {len(v)}")
         # The row class as mlx-lm's loader resolves it (registered by qfilters_mlx.cache.kv_cache,
         # which mlx-lm's cache module imports through qfilters_mlx.prompt_cache_hook).
-        row_class = mlx_cache.QFiltersKVCache
-        rows = [row_class.from_state(tuple(v[i : i + _ROW_STATE]))
-                for i in range(0, len(v), _ROW_STATE)]
+        rows, i = [], 0
+        while i < len(v):
+            if i + _META >= len(v) or not isinstance(v[i + _META], str):
+                raise ValueError(f"state: row {len(rows)} has no meta string at entry {i + _META}")
+            cls, n = _row_class(v[i + _META])
+            if i + n > len(v):
+                raise ValueError(f"state: row {len(rows)} needs {n} entries, {len(v) - i} left")
+            rows.append(cls.from_state(tuple(v[i : i + n])))
+            i += n
         self.__init__(rows)
+
+
+def _row_class(meta: str) -> tuple:
+    """``(class, state entries)`` of a saved row from its meta: quantized storage (8 entries)
+    when its config has ``kv_bits``, else 7 (classes resolved in mlx-lm's cache module, where
+    ``qfilters_mlx.cache.kv_cache`` registers both)."""
+    try:
+        quantized = json.loads(meta)["config"].get("kv_bits") is not None
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"state: bad row meta ({err})") from err
+    return (mlx_cache.QuantizedQFiltersKVCache, 8) if quantized else (mlx_cache.QFiltersKVCache, 7)
+
+
+def _rows(k) -> int:
+    """Rows of returned keys: an array, or a quantized ``(packed, scales, biases)`` triple."""
+    return (k[0] if isinstance(k, tuple) else k).shape[2]
 
 
 def _ints(x) -> list[int]:
@@ -285,18 +357,31 @@ def _ints(x) -> list[int]:
 
 
 def _stack(outs, keys, values, S):
-    """Concatenate per-row outputs along the batch, left-padding each to ``S`` with zeros."""
-    def rows(j, like):
-        res = []
-        for out in outs:
-            x = None if out is None else out[j]
-            n = S - (0 if x is None else x.shape[2])
-            if n:
-                z = mx.zeros((1, like.shape[1], n, like.shape[3]), like.dtype)
-                x = z if x is None else mx.concatenate([z, x], axis=2)
-            res.append(x)
+    """Concatenate per-row outputs along the batch, left-padding each to ``S`` with zeros.
+
+    Quantized rows return ``(packed, scales, biases)`` triples: each part is padded and
+    stacked (zero words, scales and biases dequantize to zeros, which the mask hides). A
+    row that got no tokens this call (``None``) is all padding, shaped like the others."""
+    template = next((out for out in outs if out is not None), None)
+
+    def pad(x, like):
+        n = S - (0 if x is None else x.shape[2])
+        if n == 0:
+            return x
+        z = mx.zeros((1, like.shape[1], n, like.shape[3]), like.dtype)
+        return z if x is None else mx.concatenate([z, x], axis=2)
+
+    def part(j, fallback):
+        like = fallback if template is None else template[j]
+        if isinstance(like, tuple):
+            res = [tuple(pad(None if out is None else out[j][m], like[m]) for m in range(len(like)))
+                   for out in outs]
+            return tuple(res[0][m] if len(res) == 1 else mx.concatenate([r[m] for r in res], axis=0)
+                         for m in range(len(like)))
+        res = [pad(None if out is None else out[j], like) for out in outs]
         return res[0] if len(res) == 1 else mx.concatenate(res, axis=0)
-    return rows(0, keys), rows(1, values)
+
+    return part(0, keys), part(1, values)
 
 
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module.

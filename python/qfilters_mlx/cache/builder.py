@@ -33,6 +33,9 @@ class BuildReport:
         kept: slots that keep the model's own cache (with :attr:`CacheSlot.cache_type`).
         shard: on one rank of a tensor-parallel model, its rank, group size and KV heads
             (:class:`qfilters_mlx.sharding.ShardInfo`; the caches hold those heads); else ``None``.
+        shared_kv: paths of the budgeted slots whose K/V other layers read with
+            ``keys_and_values()`` (gemma3n, afm7); their caches keep what their last update
+            returned (``QFiltersKVCache.keep_last_kv``).
         filters: the filter in use and where it came from (one line, e.g. ``"calibrated
             query filter PATH (found by model identity; 512 tokens of ...)"``; see
             :mod:`qfilters_mlx.filters.default_filters`); ``""`` when not recorded.
@@ -41,6 +44,7 @@ class BuildReport:
     budgeted: tuple[CacheSlot, ...]
     kept: tuple[CacheSlot, ...]
     shard: object = None
+    shared_kv: tuple = ()
     filters: str = ""
 
     @property
@@ -139,16 +143,28 @@ def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[
     return budgeted
 
 
-def _trial_forward(model, budgeted: list[CacheSlot]) -> None:
+class _TrialCache(QFiltersKVCache):
+    """A throwaway cache of :func:`_trial_forward` that notes ``keys_and_values()`` reads."""
+
+    read = False
+
+    def keys_and_values(self):
+        self.read = True
+        return super().keys_and_values()
+
+
+def _trial_forward(model, budgeted: list[CacheSlot]) -> tuple:
     """A lazy 1-token forward with throwaway eviction caches (method ``full``): a model
-    that uses its cache beyond mlx-lm's cache protocol (e.g. afm7 reads another layer's
-    cache with ``keys_and_values()``) is refused here, not at the first generation."""
+    that uses its cache beyond mlx-lm's cache protocol is refused here, not at the first
+    generation. Returns the paths of the slots whose K/V other layers read with
+    ``keys_and_values()`` (gemma3n's KV-shared layers, afm7's KV-reuse blocks)."""
     import mlx.core as mx
 
     trial = default_caches(model)
     for s in budgeted:
-        replace_at(trial, s.path, QFiltersKVCache(
-            KVCacheConfig(method="full", head_dim=s.key_dim, qfilters_backend="reference")))
+        c = _TrialCache(KVCacheConfig(method="full", head_dim=s.key_dim, qfilters_backend="reference"))
+        c.keep_last_kv = True
+        replace_at(trial, s.path, c)
     try:
         model(mx.array([[0]], dtype=mx.int32), cache=trial)
     except Exception as err:
@@ -156,6 +172,7 @@ def _trial_forward(model, budgeted: list[CacheSlot]) -> None:
             f"{type(model).__module__}: the model uses its attention caches (layers "
             f"{_layers(budgeted)}) beyond mlx-lm's cache protocol, which QFiltersKVCache does not "
             f"provide ({type(err).__name__}: {err}); this architecture is not supported") from err
+    return tuple(p for p, c in walk(trial) if isinstance(c, _TrialCache) and c.read)
 
 
 class KVCacheBuilder:
@@ -228,18 +245,19 @@ class KVCacheBuilder:
         check_shards(model)  # a tensor-parallel rank holds whole KV heads
         slots = probe_layout(model)
         budgeted = _check_layout(slots, config, model)
-        _trial_forward(model, budgeted)
+        shared_kv = _trial_forward(model, budgeted)
         shard = shard_info(model, {s.n_kv_heads for s in budgeted})
         filters, config, origin = _layer_filters(model, config, tokenizer, model_path)
 
         def build():
-            return KVCacheBuilder._build(config, slots, budgeted, filters, model, shard, origin)
+            return KVCacheBuilder._build(config, slots, budgeted, filters, model, shard, shared_kv,
+                                         origin)
 
         return build(), build
 
     @staticmethod
     def _build(config: KVCacheConfig, slots, budgeted, filters, model, shard=None,
-               origin: str = "") -> BudgetedCaches:
+               shared_kv: tuple = (), origin: str = "") -> BudgetedCaches:
         """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
         caches = BudgetedCaches(default_caches(model))
         table = per_layer_table(config, len(budgeted))
@@ -249,10 +267,11 @@ class KVCacheBuilder:
                 cfg = replace(cfg, qfilters_recent=config.layer_recent(i))
             c = QFiltersKVCache(cfg, layer_idx=s.layer,
                                 filters=None if filters is None else filters[i])
+            c.keep_last_kv = s.path in shared_kv
             replace_at(caches, s.path, c)
         keys = {s.path for s in budgeted}
         caches.report = BuildReport(tuple(budgeted), tuple(s for s in slots if s.path not in keys),
-                                    shard, origin)
+                                    shard, tuple(shared_kv), origin)
         return caches
 
     @staticmethod

@@ -31,7 +31,8 @@ token at a time (``prefill_step_size=1``) is never compressed by this trigger: c
 :func:`compress_caches` yourself there.
 
 Rewinds cannot cross a compression (the journal is cleared); tokens appended after
-it are trimmable exactly while nothing was evicted since (no journal needed).
+it can be trimmed exactly while nothing was evicted since (no journal needed);
+``is_trimmable()`` follows the streaming rule (deeper trims would raise).
 """
 
 from __future__ import annotations
@@ -192,9 +193,6 @@ class CompressionMixin:
         grown = self._n - k
         return grown if grown == self.offset - offset else 0
 
-    def is_trimmable(self) -> bool:
-        return super().is_trimmable() or self._grown_exact() > 0
-
     @property
     def rewindable_tokens(self) -> int:
         return max(super().rewindable_tokens, 0 if self._journal.active else self._grown_exact())
@@ -204,6 +202,7 @@ class CompressionMixin:
         appended since it, while none was evicted (a plain drop of the newest rows)."""
         n = int(n)
         if (n > 0 and self.evicted and not self._journal.active and n <= self._grown_exact()):
+            self._last_kv = None
             self._n -= n
             self.offset -= n
             return n

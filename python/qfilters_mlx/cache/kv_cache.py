@@ -63,6 +63,8 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         offset: absolute number of tokens fed (the RoPE position of the next token).
         filter: ``[H_kv, D]`` float32 Q-Filter once calibrated, else ``None``.
         keys, values: ``[B, H_kv, capacity, D]`` buffers; rows ``[0, size())`` are live.
+        keep_last_kv: keep what the last update returned for :meth:`keys_and_values`
+            (layers whose K/V another layer reads; set by ``KVCacheBuilder.for_model``).
 
     Raises:
         TypeError: ``config`` is not a :class:`KVCacheConfig`.
@@ -107,6 +109,11 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         self._journal = RewindJournal(0 if config.method == "full" else config.qfilters_max_rewind)
         self._victim_rows = None
         self._reset_compression()  # compress-once mode (:mod:`.compression`)
+        # keys_and_values(): what the last update returned, kept only for layers whose K/V another
+        # layer reads (set by KVCacheBuilder for shared-KV models; holding it otherwise would keep
+        # a chunk's pre-eviction rows alive between calls)
+        self.keep_last_kv = False
+        self._last_kv = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -235,11 +242,36 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 
         Raises:
             TypeError, ValueError: bad rank, dtype, shape change, ``L == 0``;
-            raised before any state changes.
+                raised before any state changes.
         """
         self._validate(keys, values)
+        self._last_kv = None  # released before the buffers are written
         self._before_call(keys.shape[2])  # compress-once trigger (before anything is stored)
-        return self._update(keys, values)
+        out = self._update(keys, values)
+        if self.keep_last_kv:
+            self._last_kv = out
+        return out
+
+    def keys_and_values(self):
+        """The keys and values the last ``update_and_fetch`` returned (mlx-lm's cache method:
+        what this layer's last attention call saw, stored ++ new, before that call's
+        eviction), for layers that reuse another layer's K/V (gemma3n's KV-shared layers,
+        afm7's KV-reuse blocks). ``[B, H_kv, S + L, D]`` each (``(packed, scales,
+        biases)`` with ``kv_bits``).
+
+        Raises:
+            ValueError: ``keep_last_kv`` is False (``KVCacheBuilder.for_model`` sets it on the
+                layers a model reads this way), or no update since the cache was built,
+                loaded or trimmed.
+        """
+        if not self.keep_last_kv:
+            raise ValueError(
+                f"layer {self.layer_idx}: keys_and_values() needs keep_last_kv=True (another layer "
+                "reads this layer's K/V; KVCacheBuilder.for_model sets it for such models)")
+        if self._last_kv is None:
+            raise ValueError(f"layer {self.layer_idx}: keys_and_values() before any update_and_fetch "
+                             "since the cache was built, loaded or trimmed")
+        return self._last_kv
 
     def _update(self, keys, values):
         """``update_and_fetch`` after validation (also re-applies calls on a rewind)."""

@@ -56,6 +56,8 @@ class PersistenceMixin:
             meta["compressed"] = [self._compressed[0], str(self._compressed[1])]
         if self._saw_chunk:
             meta["saw_chunk"] = True
+        if self.keep_last_kv:
+            meta["keep_last_kv"] = True
         if self._free is not None:
             meta["slots"] = {"order": self._slot_order().tolist(), "free": self._free.tolist()}
         return (keys, values, scores, positions, self.filter, self._queries, json.dumps(meta))
@@ -79,6 +81,7 @@ class PersistenceMixin:
             if compressed is not None:
                 compressed = (int(compressed[0]), int(compressed[1]))
             saw_chunk = bool(meta.get("saw_chunk", False))
+            keep_last_kv = bool(meta.get("keep_last_kv", False))
             slots = meta.get("slots")
             if slots is not None:
                 order = mx.array(slots["order"], dtype=mx.int32)
@@ -118,6 +121,7 @@ class PersistenceMixin:
         self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
         self.filter = filt
         self._compressed, self._saw_chunk = compressed, saw_chunk
+        self.keep_last_kv, self._last_kv = keep_last_kv, None
 
     # ------------------------------------------------------------- copies
     def __getstate__(self) -> dict:

@@ -18,18 +18,43 @@ class RewindMixin:
     """``is_trimmable`` / ``trim`` and the undo of one multi-token call."""
 
     def is_trimmable(self) -> bool:
-        """Whether mlx-lm may rewind this cache (speculative decoding, prompt-cache reuse).
+        """Whether every rewind mlx-lm may ask of this cache is exact, now and later.
 
-        True for ``method="full"`` (it never evicts) and before any eviction (every token is stored:
-        a plain trim is exact), and whenever ``qfilters_max_rewind > 0`` (rewinds
-        of up to that many tokens stay exact after an eviction; deeper ones
-        raise). False after an eviction with ``qfilters_max_rewind=0`` (the
-        default): mlx-lm's server then reuses only stored prefixes, and a
-        ``trim`` that mlx-lm decided on earlier (speculative decoding, whose
-        check runs once before the prompt) raises ``ValueError`` naming
-        ``qfilters_max_rewind``: never a silent no-op.
+        mlx-lm trims only through ``trim_prompt_cache``, which skips (silently, returning 0) a
+        cache that says False; its speculative decoding asks once, before the prompt, and
+        its server asks before trimming a stored cache to a shared prefix. So this says True
+        only when no such rewind can fail: ``method="full"`` (never evicts), or
+        ``qfilters_max_rewind > 0`` (the journal makes rewinds exact after an eviction; a
+        deeper one raises ``ValueError`` naming the field before changing anything). An
+        evicting cache with ``qfilters_max_rewind=0`` (the default) says False from the
+        start, even before its first eviction: speculative decoding is then refused by
+        mlx-lm's start check before the prompt is fed (never rejected drafts left in the
+        cache), and mlx-lm's server reuses stored prefixes without trimming them. ``trim``
+        itself stays exact where it can be (see :meth:`trim`).
         """
-        return self.config.qfilters_max_rewind > 0 or not self.evicted
+        return self.method == "full" or self.config.qfilters_max_rewind > 0
+
+    def trim_count(self, n: int) -> int:
+        """How many tokens ``trim(n)`` would remove, changing nothing (batch caches check
+        every row first).
+
+        Raises:
+            ValueError: ``trim(n)`` would raise (see :meth:`trim`).
+        """
+        n = int(n)
+        if n <= 0:
+            return 0
+        can = self.rewindable_tokens
+        if n <= can:
+            return n
+        if not self.evicted:
+            return can  # a plain trim removes what is stored
+        raise ValueError(
+            f"cannot rewind {n} tokens after an eviction: this cache can restore the last "
+            f"{can} (qfilters_max_rewind={self.config.qfilters_max_rewind}; a cache loaded "
+            "from a file restores only what it saw since); for speculative decoding set "
+            "qfilters_max_rewind >= num_draft_tokens (qfilters-mlx: --max-rewind)"
+        )
 
     @property
     def rewindable_tokens(self) -> int:
@@ -52,11 +77,11 @@ class RewindMixin:
                 restore (``qfilters_max_rewind``, or fewer tokens seen since the
                 cache was built or loaded); nothing is changed.
         """
-        n = int(n)
+        n = self.trim_count(n)  # raises before anything changes
         if n <= 0:
             return 0
+        self._last_kv = None
         if not self.evicted:
-            n = min(n, self._n)
             self._n -= n
             self.offset -= n
             if (self._needs_filter and self.filter is not None
@@ -67,14 +92,6 @@ class RewindMixin:
                 self._queries = self._queries[:, :, : self.offset]
             self._journal.drop_tail(n)
             return n
-        can = self._journal.rewindable
-        if n > can:
-            raise ValueError(
-                f"cannot rewind {n} tokens after an eviction: this cache can restore the last "
-                f"{can} (qfilters_max_rewind={self.config.qfilters_max_rewind}; a cache loaded "
-                "from a file restores only what it saw since); for speculative decoding set "
-                "qfilters_max_rewind >= num_draft_tokens (qfilters-mlx: --max-rewind)"
-            )
         left = n
         while left > 0:
             rec = self._journal.pop()

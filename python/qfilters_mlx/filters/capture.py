@@ -60,8 +60,10 @@ def capture_attention(model, callback: Callable, caches=None,
             could not be found (``where``: the function that called
             ``update_and_fetch``); by default such updates are skipped.
 
-    The hooks are process-global while active (mlx-lm modules are shared), so
-    the block is serialised with a lock; every patch is restored on exit.
+    Only forward passes of this ``model`` instance with these ``caches`` (any
+    forward pass of it when ``caches`` is ``None``) are observed; other models,
+    also of the same class and in other threads, run untouched, and blocks in
+    other threads may be open at the same time. Every patch is restored on exit.
 
     Raises:
         RuntimeError: nested use in one thread.

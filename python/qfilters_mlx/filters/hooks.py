@@ -1,8 +1,8 @@
 """Pair every cache update with the post-RoPE queries of the same attention call.
 
 mlx-lm models have no hook for queries, so :class:`AttentionHooks` patches, for
-the duration of a ``with`` block (process-global, serialised by a lock,
-restored on exit also after an error), the places every attention path passes
+the duration of a ``with`` block (restored on exit also after an error, once no
+other open block holds the same place), the places every attention path passes
 through:
 
 1. ``update_and_fetch`` of the watched caches' classes: marks the start of a
@@ -21,9 +21,20 @@ through:
    very array an ``mx.fast.rope`` call returned, the most recent earlier rope
    output of the same layer with the same offset and a compatible shape
    ``[B, H_q, L, D]`` (``H_q`` a multiple of ``H_kv``) is the layer's queries;
-4. the model class's ``__call__``: the end of a forward pass; every watched
-   cache that waits for queries, advanced during the call and got none for its
-   current offset is then reported missing, however it was updated.
+4. the model class's ``__call__``: which forward passes are watched, and the
+   end of one; every watched cache of that call that waits for queries,
+   advanced during it and got none for its current offset is then reported
+   missing, however it was updated.
+
+The patched names are shared by the whole process, but what they do is scoped
+to one model instance: a forward pass is watched only when it is a call of the
+block's model (by identity) whose ``cache`` argument holds a watched cache, and
+the SDPA, rope and update hooks act only inside such a forward pass in the
+thread running it (or, outside every patched forward pass, in the thread that
+opened the block: direct cache calls). Every other forward pass (another model
+of the same class, another thread, a draft model, the same model with other
+caches) runs the original functions with nothing recorded. Blocks in different
+threads may be open at the same time, on the same or different models.
 
 Each update is delivered at most once: by an SDPA call as soon as it happens
 (exactly what attention uses), else with the rope-derived queries when the
@@ -31,8 +42,8 @@ next watched update starts, the model call returns, or the block ends. An
 update that got neither is reported as missing. An SDPA call naming a watched
 cache whose update bypassed the class method (an instance attribute wrapping
 ``update_and_fetch``, taken before the hooks were installed) is delivered when
-the cache's offset advanced since its last delivery. Other caches, threads' other
-models and updates without queries are passed through untouched.
+the cache's offset advanced since its last delivery. Unwatched caches and
+updates without queries are passed through untouched.
 """
 
 from __future__ import annotations
@@ -47,8 +58,89 @@ import mlx.core as mx
 from qfilters_mlx.filters.pairing import Update, cache_leaves, fits, rope_queries
 
 SDPA = "scaled_dot_product_attention"
-_lock = threading.Lock()
-_owner: list[int] = []  # thread id holding _lock (nested use in one thread is refused)
+_registry = threading.Lock()  # guards _points and _open
+_points: dict[tuple[int, str], list] = {}  # (id(owner), name) -> [owner, name, had, old, users]
+_open: list["AttentionHooks"] = []  # blocks entered and not yet left (any thread)
+_tls = threading.local()  # .entered: the block this thread opened; .forwards: forward-pass stack
+
+
+def _target() -> "AttentionHooks | None":
+    """The block the current call belongs to: the innermost forward pass of a
+    patched model class in this thread (``None`` when that forward is not
+    watched), else, outside any such forward, the block this thread opened."""
+    forwards = getattr(_tls, "forwards", None)
+    if forwards:
+        return forwards[-1]
+    return getattr(_tls, "entered", None)
+
+
+def _forward_caches(args, kwargs) -> set[int]:
+    """``id`` of every cache in a forward call's ``cache`` argument (``model(inputs, cache)``)."""
+    cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+    return {id(c) for _, c in cache_leaves(cache)} if isinstance(cache, (list, tuple)) else set()
+
+
+def _block_for(model, ids: set[int]) -> "AttentionHooks | None":
+    """The open block watching a forward pass of ``model`` with the caches ``ids``:
+    same model instance, and a watched cache among ``ids`` (a block watching no
+    caches takes every forward pass of its model)."""
+    with _registry:
+        blocks = [b for b in _open if b.model is model]
+    return next((b for b in blocks if not b._index or ids & b._index.keys()), None)
+
+
+def _caller(depth: int) -> tuple:
+    frame = sys._getframe(depth + 1)
+    return frame.f_globals.get("__name__", "?"), frame.f_code
+
+
+# One wrapper per patch point, shared by every open block: each call is handed to
+# the block it belongs to (``_target``) and passes through untouched otherwise.
+def _update_wrapper(original):
+    def update_and_fetch(cache, *args, **kwargs):
+        h = _target()
+        if h is None:
+            return original(cache, *args, **kwargs)
+        return h._on_update(original, cache, args, kwargs, _caller(1))
+
+    return update_and_fetch
+
+
+def _sdpa_wrapper(original):
+    def scaled_dot_product_attention(*args, **kwargs):
+        h = _target()
+        if h is None:
+            return original(*args, **kwargs)
+        return h._on_sdpa(original, args, kwargs, _caller(1))
+
+    return scaled_dot_product_attention
+
+
+def _rope_wrapper(original):
+    def rope(*args, **kwargs):
+        out = original(*args, **kwargs)
+        h = _target()
+        if h is not None:
+            h._state().window.append((out, kwargs.get("offset", 0)))
+        return out
+
+    return rope
+
+
+def _model_wrapper(original):
+    def __call__(model, *args, **kwargs):
+        ids = _forward_caches(args, kwargs)
+        h = _block_for(model, ids)
+        forwards = _tls.__dict__.setdefault("forwards", [])
+        forwards.append(h)
+        try:
+            if h is None:
+                return original(model, *args, **kwargs)
+            return h._on_forward(original, model, args, kwargs, ids)
+        finally:
+            forwards.pop()
+
+    return __call__
 
 
 class _ThreadState:
@@ -63,13 +155,14 @@ class AttentionHooks:
 
     Args:
         model: the mlx-lm model (its class's ``__call__`` and the modules of its
-            submodules' classes are patched).
+            submodules' classes are patched; only this instance's forward passes
+            with the watched caches are observed).
 
     Use :meth:`watch` to choose the caches and the callbacks; it can be called
     again inside the block (e.g. a probe with throwaway caches first).
 
     Raises:
-        RuntimeError: entered while this thread already holds the hooks (nested use).
+        RuntimeError: entered while this thread already holds a block (nested use).
     """
 
     def __init__(self, model):
@@ -79,7 +172,7 @@ class AttentionHooks:
         self._missing: Callable | None = None
         self._unpaired: Callable | None = None
         self._wants: Callable | None = None
-        self._patches: list[tuple[Any, str, bool, Any]] = []
+        self._held: list[tuple[int, str]] = []  # patch points this block holds
         self._local = threading.local()
         self._states: list[_ThreadState] = []
         self._states_lock = threading.Lock()
@@ -87,16 +180,17 @@ class AttentionHooks:
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> "AttentionHooks":
-        if _owner and _owner[0] == threading.get_ident():
+        if getattr(_tls, "entered", None) is not None:
             raise RuntimeError("observe_queries / capture_attention is already active in this thread: "
                                "nested use is not supported (close the outer block first)")
-        _lock.acquire()
-        _owner.append(threading.get_ident())
-        try:
-            self._install()
-        except BaseException:
-            self._uninstall()
-            raise
+        with _registry:
+            try:
+                self._install()
+            except BaseException:
+                self._release()
+                raise
+            _open.append(self)
+        _tls.entered = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -104,28 +198,40 @@ class AttentionHooks:
             if exc_type is None:
                 self.flush()
         finally:
-            self._uninstall()
+            with _registry:
+                if self in _open:
+                    _open.remove(self)
+                self._release()
+            self._index.clear()
+            self._states.clear()
+            if getattr(_tls, "entered", None) is self:
+                _tls.entered = None
 
-    def _uninstall(self) -> None:
-        try:
-            for owner, name, had, old in reversed(self._patches):
+    def _release(self) -> None:
+        """Drop this block's hold on its patch points; restore those nobody holds (under ``_registry``)."""
+        for key in reversed(self._held):
+            point = _points[key]
+            point[4] -= 1
+            if point[4] == 0:
+                owner, name, had, old, _ = _points.pop(key)
                 if had:
                     setattr(owner, name, old)
                 else:
                     delattr(owner, name)
-            self._patches.clear()
-            self._index.clear()
-            self._states.clear()
-        finally:
-            _owner.clear()
-            _lock.release()
+        self._held.clear()
 
     def _patch(self, owner, name: str, make: Callable[[Callable], Callable]) -> None:
-        had = name in vars(owner)
-        old = vars(owner).get(name)
-        original = getattr(owner, name)
-        self._patches.append((owner, name, had, old))
-        setattr(owner, name, make(original))
+        """Hold the patch point ``owner.name``, installing ``make(original)`` if no block holds it."""
+        key = (id(owner), name)
+        point = _points.get(key)
+        if point is None:
+            had = name in vars(owner)
+            old = vars(owner).get(name)
+            original = getattr(owner, name)
+            setattr(owner, name, make(original))
+            point = _points[key] = [owner, name, had, old, 0]
+        point[4] += 1
+        self._held.append(key)
 
     def _install(self) -> None:
         mods = {n for n in sys.modules if n.startswith("mlx_lm.models.")}
@@ -133,10 +239,10 @@ class AttentionHooks:
         for name in sorted(mods):
             mod = sys.modules.get(name)
             if mod is not None and callable(vars(mod).get(SDPA)):
-                self._patch(mod, SDPA, self._sdpa_wrapper)
-        self._patch(mx.fast, SDPA, self._sdpa_wrapper)
-        self._patch(mx.fast, "rope", self._rope_wrapper)
-        self._patch(type(self.model), "__call__", self._model_wrapper)
+                self._patch(mod, SDPA, _sdpa_wrapper)
+        self._patch(mx.fast, SDPA, _sdpa_wrapper)
+        self._patch(mx.fast, "rope", _rope_wrapper)
+        self._patch(type(self.model), "__call__", _model_wrapper)
 
     # ---------------------------------------------------------------- watching
     def watch(self, caches, deliver: Callable | None = None, missing: Callable | None = None,
@@ -158,12 +264,11 @@ class AttentionHooks:
         self._index = {id(c): (p, c) for p, c in cache_leaves(caches)}
         self._delivered_at = {}
         self._deliver, self._missing, self._unpaired, self._wants = deliver, missing, unpaired, wants
-        patched = {(o, n) for o, n, _, _ in self._patches}
-        for _, c in self._index.values():
-            owner = next((k for k in type(c).__mro__ if "update_and_fetch" in vars(k)), None)
-            if owner is not None and (owner, "update_and_fetch") not in patched:
-                self._patch(owner, "update_and_fetch", self._update_wrapper)
-                patched.add((owner, "update_and_fetch"))
+        with _registry:
+            for _, c in self._index.values():
+                owner = next((k for k in type(c).__mro__ if "update_and_fetch" in vars(k)), None)
+                if owner is not None and (id(owner), "update_and_fetch") not in self._held:
+                    self._patch(owner, "update_and_fetch", _update_wrapper)
 
     def flush(self) -> None:
         """Deliver or report every pending update (all threads)."""
@@ -197,57 +302,56 @@ class AttentionHooks:
         if self._deliver is not None:
             self._deliver(u, queries)
 
-    # ---------------------------------------------------------------- wrappers
-    def _update_wrapper(self, original):
-        hooks = self
-
-        def update_and_fetch(cache, *args, **kwargs):
-            entry = hooks._index.get(id(cache))
-            if entry is None or entry[1] is not cache:
-                return original(cache, *args, **kwargs)
-            st = hooks._state()
-            hooks._flush(st)  # the previous layer's attention is done
-            if hooks._wants is not None and not hooks._wants(cache):
-                st.window.clear()
-                return original(cache, *args, **kwargs)
-            keys = args[0] if args else kwargs.get("keys")
-            window = list(st.window)
+    # ---------------------------------------------------------------- calls handed over by the wrappers
+    def _on_update(self, original, cache, args, kwargs, caller):
+        entry = self._index.get(id(cache))
+        if entry is None or entry[1] is not cache:
+            return original(cache, *args, **kwargs)
+        st = self._state()
+        self._flush(st)  # the previous layer's attention is done
+        if self._wants is not None and not self._wants(cache):
             st.window.clear()
-            frame = sys._getframe(1)
-            caller = (frame.f_globals.get("__name__", "?"), frame.f_code)
-            out = original(cache, *args, **kwargs)
-            keys_out = out[0] if isinstance(out, (tuple, list)) and out else None
-            path = entry[0]
-            st.pending = Update(path[0], path, cache, keys, keys_out, rope_queries(window, keys), caller)
-            return out
+            return original(cache, *args, **kwargs)
+        keys = args[0] if args else kwargs.get("keys")
+        window = list(st.window)
+        st.window.clear()
+        out = original(cache, *args, **kwargs)
+        keys_out = out[0] if isinstance(out, (tuple, list)) and out else None
+        path = entry[0]
+        st.pending = Update(path[0], path, cache, keys, keys_out, rope_queries(window, keys), caller)
+        return out
 
-        return update_and_fetch
+    def _on_sdpa(self, original, args, kwargs, caller):
+        queries = args[0] if args else kwargs.get("queries", kwargs.get("q"))
+        keys = args[1] if len(args) > 1 else kwargs.get("keys", kwargs.get("k"))
+        cache = args[3] if len(args) > 3 else kwargs.get("cache")
+        st = self._state()
+        u = st.pending
+        if u is not None and not u.delivered and (
+                (cache is not None and cache is u.cache) or (keys is not None and keys is u.keys_out)):
+            if fits(queries, u.keys_in):
+                self._send(u, queries)
+        else:
+            if cache is not None and (u is None or u.cache is not cache):
+                self._bypassed(cache, queries, keys, caller)
+            if st.sdpa_depth == 0 and self._unpaired is not None:
+                self._unpaired(queries, keys)
+        st.sdpa_depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            st.sdpa_depth -= 1
 
-    def _sdpa_wrapper(self, original):
-        hooks = self
-
-        def scaled_dot_product_attention(*args, **kwargs):
-            queries = args[0] if args else kwargs.get("queries", kwargs.get("q"))
-            keys = args[1] if len(args) > 1 else kwargs.get("keys", kwargs.get("k"))
-            cache = args[3] if len(args) > 3 else kwargs.get("cache")
-            st = hooks._state()
-            u = st.pending
-            if u is not None and not u.delivered and (
-                    (cache is not None and cache is u.cache) or (keys is not None and keys is u.keys_out)):
-                if fits(queries, u.keys_in):
-                    hooks._send(u, queries)
-            else:
-                if cache is not None and (u is None or u.cache is not cache):
-                    hooks._bypassed(cache, queries, keys)
-                if st.sdpa_depth == 0 and hooks._unpaired is not None:
-                    hooks._unpaired(queries, keys)
-            st.sdpa_depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                st.sdpa_depth -= 1
-
-        return scaled_dot_product_attention
+    def _on_forward(self, original, model, args, kwargs, ids: set[int]):
+        before = {k: v for k, v in self._offsets().items() if k in ids}
+        try:
+            out = original(model, *args, **kwargs)
+        except BaseException:
+            self._state().pending = None  # the forward failed: nothing to report
+            raise
+        self._flush(self._state())
+        self._check_advanced(before)
+        return out
 
     def _offsets(self) -> dict[int, int]:
         """Offsets of the watched caches that want queries (only with ``wants``)."""
@@ -267,7 +371,7 @@ class AttentionHooks:
                 self._missing(Update(path[0], path, c, None, None, None,
                                      ("(an update_and_fetch the hooks did not see)", None)))
 
-    def _bypassed(self, cache, queries, keys) -> None:
+    def _bypassed(self, cache, queries, keys, caller) -> None:
         """An SDPA call names a watched cache whose update did not go through the
         class's ``update_and_fetch`` (e.g. an instance attribute wrapping the method
         taken before the hooks were installed): deliver once per new offset
@@ -281,33 +385,4 @@ class AttentionHooks:
         if self._delivered_at.get(id(cache)) == offset or not fits(queries, keys, same_length=False):
             return
         path = entry[0]
-        frame = sys._getframe(2)
-        u = Update(path[0], path, cache, None, keys, None, (frame.f_globals.get("__name__", "?"), frame.f_code))
-        self._send(u, queries)
-
-    def _rope_wrapper(self, original):
-        hooks = self
-
-        def rope(*args, **kwargs):
-            out = original(*args, **kwargs)
-            hooks._state().window.append((out, kwargs.get("offset", 0)))
-            return out
-
-        return rope
-
-    def _model_wrapper(self, original):
-        hooks = self
-
-        def __call__(model, *args, **kwargs):
-            before = hooks._offsets()
-            try:
-                out = original(model, *args, **kwargs)
-            except BaseException:
-                hooks._state().pending = None  # the forward failed: nothing to report
-                raise
-            hooks._flush(hooks._state())
-            hooks._check_advanced(before)
-            return out
-
-        return __call__
-
+        self._send(Update(path[0], path, cache, None, keys, None, caller), queries)
