@@ -3,8 +3,10 @@
 Measured on SmolLM2-135M-Instruct (the project's real model):
 
 * **cosine** per (layer, KV head) between filters from the first ``n`` calibration tokens
-  and filters from the whole sample (``--reference`` tokens, the paper's estimator on every
-  query row): nested prefixes of one run (queries at positions ``< n`` of a causal model do
+  and reference filters from a larger sample: ``--reference-file`` (default
+  ``bench/results/smollm2_filters.safetensors``, ``qfilters-mlx calibrate``'s default run: 4,096
+  tokens of the same text in 1,024-token chunks), else ``--reference`` tokens captured here;
+  the prefixes are nested prefixes of one run (queries at positions ``< n`` of a causal model do
   not depend on later tokens, so the prefix of one capture is exactly a calibration on ``n``
   tokens with the same chunking);
 * the same cosine for token ids had without a tokenizer: uniform random ids over the
@@ -28,6 +30,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 PREFIXES = (64, 128, 256, 512, 1024, 2048, 4096)
+PPL_PREFIXES = (128, 256, 512, 1024, 2048)
 
 
 def capture_queries(model, chunks):
@@ -87,7 +90,10 @@ def sampled_ids(model, n: int, vocab: int, seed: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reference", type=int, default=8192, help="tokens of the reference filters")
+    ap.add_argument("--reference", type=int, default=8192,
+                    help="tokens of the reference filters when --reference-file is ''")
+    ap.add_argument("--reference-file", default=str(RESULTS / "smollm2_filters.safetensors"))
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens captured for the prefixes")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--other", type=int, default=512, help="tokens of the tokenizer-free arms")
     ap.add_argument("--budget", type=int, default=256)
@@ -111,9 +117,16 @@ def main() -> None:
     model, tokenizer = load(str(prepare_model()))
     n_layers, n_kv, _ = model_dims(model)
     text, source = calibration_text()
-    ids = encode_quietly(tokenizer, text)[: args.reference]
+    ref_meta = None
+    if args.reference_file:
+        from qfilters_mlx.filters.calibration import load_filters
+
+        ref, ref_meta = load_filters(args.reference_file, model)
+        assert ref_meta["calibration_text"] == source, "the reference is from another text"
+    ids = encode_quietly(tokenizer, text)[: args.tokens if ref_meta else args.reference]
     results = {"model": "SmolLM2-135M-Instruct", "calibration_text": source, "chunk": args.chunk,
-               "reference_tokens": len(ids)}
+               "reference_tokens": int(ref_meta["calibration_tokens"]) if ref_meta else len(ids),
+               "reference_file": args.reference_file or None}
     out = Path(args.out)
 
     def save():
@@ -122,7 +135,8 @@ def main() -> None:
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
     queries, seconds = capture_queries(model, chunks)
     results["forward_seconds_per_chunk"] = seconds
-    ref = filters_from(queries, len(ids), n_kv)
+    if ref_meta is None:
+        ref = filters_from(queries, len(ids), n_kv)
     arms = {}
     for n in PREFIXES:
         if n <= len(ids):
@@ -149,8 +163,9 @@ def main() -> None:
         from qfilters_mlx.evaluation.perplexity import batched_streaming_nll, perplexity
 
         eval_ids = tokenizer.encode(source_text(), add_special_tokens=False)[:128 + args.scored]
-        arms[f"reference {len(ids)}"] = ref
-        names = list(arms)
+        ref_name = f"reference {results['reference_tokens']}"
+        arms[ref_name] = ref
+        names = [k for k in arms if not k.startswith("text ") or int(k.split()[1]) in PPL_PREFIXES]
         cfg = KVCacheConfig(qfilters_budget=args.budget, qfilters_filter_source="keys",
                             qfilters_sign=1, head_dim=64)
         rows = [[QFiltersKVCache(cfg, layer_idx=i, filters=arms[k][i]) for i in range(n_layers)]
@@ -171,10 +186,11 @@ def main() -> None:
                      f"{c['share_above_0.95']:.2f} |" + (f" {p:.3f} |" if p is not None else
                                                         (" |" if "perplexity" in results else "")))
     if "perplexity" in results:
-        k = f"reference {len(ids)}"
+        k = f"reference {results['reference_tokens']}"
         lines.append(f"| {k} | 1 | 1 | 1 | 1.00 | {results['perplexity']['arms'][k]:.3f} |")
     head = (f"# Calibration tokens (SmolLM2-135M-Instruct)\n\nCosine per (layer, KV head) to filters "
-            f"from {len(ids)} tokens of {source} (chunks of {args.chunk}); perplexity: streaming, "
+            f"from {results['reference_tokens']} tokens of {source} (chunks of {args.chunk}; "
+            f"{args.reference_file or 'captured here'}); perplexity: streaming, "
             f"budget {args.budget}, 4 sinks, recent {args.budget // 2}, {args.scored} scored tokens "
             f"of the evaluation text. Forward seconds per {args.chunk}-token chunk: "
             f"{', '.join(f'{s:.1f}' for s in seconds)}.\n\n`python bench/bench_calibration_tokens.py`\n\n")
