@@ -44,20 +44,24 @@ BUDGET, PREFIX, SCORED, CONTEXT = 256, 128, 2048, 4096
 ARMS = ("rotating", "qfilters-cpp-queries", "qfilters-cpp-calibrated")
 
 
-def first_and_second_use(model, tokenizer) -> dict:
+def first_and_second_use(model, tokenizer, with_sampling: bool = True) -> dict:
     from qfilters_mlx import KVCacheBuilder, KVCacheConfig
 
     out = {}
-    for label, tok in (("text", tokenizer), ("no_tokenizer", None)):
+    for label, tok in (("text", tokenizer), ("no_tokenizer", None))[:2 if with_sampling else 1]:
         with tempfile.TemporaryDirectory() as home:
             os.environ["QFILTERS_MLX_HOME"] = home
             t0 = time.perf_counter()
             first = KVCacheBuilder.for_model(model, KVCacheConfig(), tokenizer=tok)
             t1 = time.perf_counter()
-            second = KVCacheBuilder.for_model(model, KVCacheConfig(), tokenizer=tok)
-            t2 = time.perf_counter()
-            out[label] = {"first_use_s": t1 - t0, "second_use_s": t2 - t1,
-                          "first": first.report.filters, "second": second.report.filters}
+            loads = []
+            for _ in range(3):
+                t2 = time.perf_counter()
+                second = KVCacheBuilder.for_model(model, KVCacheConfig(), tokenizer=tok)
+                loads.append(time.perf_counter() - t2)
+            out[label] = {"first_use_s": t1 - t0, "second_use_s": statistics.median(loads),
+                          "loads_s": loads, "first": first.report.filters,
+                          "second": second.report.filters}
             if label == "text":
                 out["default_filters"] = mx.stack([c.filter for c in first])
     return out
@@ -130,11 +134,13 @@ def markdown(res: dict) -> str:
              "`python bench/bench_default.py` (" + res["meta"]["machine"] + f", load average at start "
              f"{res['meta']['loadavg_start'][0]:.1f})", "", "## First and second use of `for_model`", ""]
     u = res["use"]
-    lines += common.md_table(["tokens from", "first use (calibrate + store), s", "second use (load), s"],
-                             [[k, f"{u[k]['first_use_s']:.1f}", f"{u[k]['second_use_s']:.3f}"]
-                              for k in ("text", "no_tokenizer")], "lrr")
-    w = res["windows"]
-    lines += ["", f"Choosing per-head recent windows at first use (budget {w['budget']}, the same "
+    lines += common.md_table(["tokens from", "first use (calibrate + store), s", "next builds (load), s"],
+                             [[k + f" ({u[k]['first'].split(' tokens of ')[0].split('; ')[-1]} tokens)",
+                               f"{u[k]['first_use_s']:.1f}",
+                               ", ".join(f"{x:.3f}" for x in u[k].get("loads_s", [u[k]["second_use_s"]]))]
+                              for k in ("text", "no_tokenizer") if k in u], "lrr")
+    w = res.get("windows")
+    lines += [] if w is None else ["", f"Choosing per-head recent windows at first use (budget {w['budget']}, the same "
                   f"{w['tokens']} tokens): {w['total_s']:.1f} s ({w['capture_s']:.1f} s capturing keys, "
                   f"queries and values, {w['search_s']:.1f} s searching); mean window "
                   f"{w['mean_window']:.1f}, attention-output error {w['output_error_chosen']:.4g} vs "
@@ -165,14 +171,17 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-windows", action="store_true")
+    p.add_argument("--skip-sampling", action="store_true", help="no first use without a tokenizer")
     p.add_argument("--out", type=Path, default=common.RESULTS / "default.json")
     args = p.parse_args(argv)
     model, tokenizer = common.load_model()
     res = {"meta": common.run_meta()}
-    use = first_and_second_use(model, tokenizer)
+    use = first_and_second_use(model, tokenizer, not args.skip_sampling)
     default_filters = use.pop("default_filters")
     res["use"] = use
-    res["windows"] = window_time(model, tokenizer, default_filters)
+    if not args.skip_windows:
+        res["windows"] = window_time(model, tokenizer, default_filters)
     common.write_results(args.out, res, markdown(res))
     if not args.skip_ppl:
         res["perplexity"] = perplexities(model, tokenizer, default_filters)

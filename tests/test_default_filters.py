@@ -82,14 +82,16 @@ def test_first_use_calibrates_once_says_so_and_the_next_build_loads_the_file(fol
     err = capsys.readouterr().err
     path = empty_home / "filters" / f"{model_identity(model)}.safetensors"
     line = [x for x in err.splitlines() if "calibrated Q-Filters" in x]
-    assert len(line) == 1 and "from 512 tokens of pydoc_data.topics" in line[0]
+    n = default_filters.CALIBRATION_TOKENS
+    assert len(line) == 1 and f"from {n} tokens of pydoc_data.topics" in line[0]
     assert f"stored in {path}" in line[0] and "Calibrating Q-Filters" in err  # the progress bar
-    # The filters are the paper's estimator on the first 512 tokens of the calibration text.
+    # The filters are the paper's estimator on the first n tokens of the calibration text.
     from qfilters_mlx.assets.prompts import calibration_text
     from qfilters_mlx.filters.calibration import calibrate_filters
 
-    ids = tokenizer.encode(calibration_text()[0])[:512]
-    np.testing.assert_array_equal(_file_filters(path), np.array(calibrate_filters(model, [ids])))
+    ids, step = tokenizer.encode(calibration_text()[0])[:n], default_filters.CALIBRATION_CHUNK
+    chunks = [ids[i:i + step] for i in range(0, n, step)]
+    np.testing.assert_array_equal(_file_filters(path), np.array(calibrate_filters(model, chunks)))
 
     def refuse(*_a, **_k):
         raise AssertionError("calibrated again although the file exists")
