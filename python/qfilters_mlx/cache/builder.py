@@ -37,7 +37,7 @@ class BuildReport:
             ``keys_and_values()`` (gemma3n, afm7); their caches keep what their last update
             returned (``QFiltersKVCache.keep_last_kv``).
         filters: the filter in use and where it came from (one line, e.g. ``"calibrated
-            query filter PATH (found by model identity; 1024 tokens of ...)"``; see
+            query filter PATH (found by model identity; 2048 tokens of ...)"``; see
             :mod:`qfilters_mlx.filters.default_filters`); ``""`` when not recorded.
     """
 
@@ -191,8 +191,8 @@ class KVCacheBuilder:
         order (:mod:`qfilters_mlx.filters.default_filters`): the file ``qfilters_filters``
         names; ``<model_path>/qfilters_filters.safetensors``; the user-cache file for the
         model's identity (``$QFILTERS_MLX_HOME/filters/<model id>.safetensors``); else it
-        calibrates now, once (1,024 tokens of text that ships with Python, a progress bar and
-        one line on stderr; on SmolLM2-135M 38-190 s on a shared 2-core CPU), and stores the
+        calibrates now, once (2,048 tokens of text that ships with Python, a progress bar and
+        one line on stderr; minutes for SmolLM2-135M on a shared 2-core CPU), and stores the
         file there, so the next build loads it (0.14-0.35 s for the whole build on SmolLM2). ``tokenizer`` (else
         the one in ``model_path``) tokenizes the calibration text; without either the model
         samples its own calibration text. If the model's queries cannot be captured, the

@@ -41,16 +41,17 @@ __all__ = ["CALIBRATION_CHUNK", "CALIBRATION_TOKENS", "FOLDER_FILENAME", "SAMPLE
            "filters_home",
            "resolve_filters", "stored_path"]
 
-CALIBRATION_TOKENS = 1024
-"""Tokens of calibration text the default filters are calibrated on (one forward pass of
-:data:`CALIBRATION_CHUNK`): on SmolLM2 the smallest count whose filters are as close to filters
-from 4,096 tokens as 2,048 tokens' are (mean cosine per KV head 0.9985 vs 0.9991; 512 tokens:
-0.982, and perplexity 13.72 against 13.48 at budget 256); ``bench/results/calibration_tokens.md``."""
+CALIBRATION_TOKENS = 2048
+"""Tokens of calibration text the default filters are calibrated on (forward passes of
+:data:`CALIBRATION_CHUNK`): on SmolLM2 the smallest count as good as the evaluation's filters from
+4,096 tokens (``bench/results/calibration_tokens.md``): streaming perplexity at budget 256 13.484
+vs 13.479, mean cosine per KV head 0.9991 (1,024 tokens: 13.518, 0.9985; 512: 13.724, 0.982)."""
 
 SAMPLED_TOKENS = 512
 """Tokens the model samples itself when no tokenizer is at hand (one forward step each, so it
-costs far more than text): mean cosine 0.971 to filters from 4,096 text tokens (uniform random
-token ids: 0.952); ``bench/results/calibration_tokens.md``."""
+costs far more than text): mean cosine 0.971 to filters from 4,096 text tokens, perplexity 13.81
+at budget 256 (uniform random token ids: 0.952, 13.69); ``bench/results/calibration_tokens.md``.
+Such a file is replaced by a text-calibrated one once a tokenizer is at hand."""
 
 CALIBRATION_CHUNK = 1024
 """Tokens per forward pass of the calibration (``qfilters-mlx calibrate``'s default)."""
