@@ -192,8 +192,8 @@ class KVCacheBuilder:
         names; ``<model_path>/qfilters_filters.safetensors``; the user-cache file for the
         model's identity (``$QFILTERS_MLX_HOME/filters/<model id>.safetensors``); else it
         calibrates now, once (2,048 tokens of text that ships with Python, a progress bar and
-        one line on stderr; minutes for SmolLM2-135M on a shared 2-core CPU), and stores the
-        file there, so the next build loads it (0.14-0.35 s for the whole build on SmolLM2). ``tokenizer`` (else
+        one line on stderr; 130 s for SmolLM2-135M on a shared 2-core CPU), and stores the
+        file there, so the next build loads it (0.10-0.11 s for the whole build on SmolLM2). ``tokenizer`` (else
         the one in ``model_path``) tokenizes the calibration text; without either the model
         samples its own calibration text. If the model's queries cannot be captured, the
         caches use the online key-SVD filter and one stderr line says so. ``report.filters``
