@@ -39,7 +39,7 @@ def test_library_and_cli_defaults_are_one_set():
     assert (lib.method, lib.qfilters_budget, lib.qfilters_n_sink, lib.qfilters_recent,
             lib.qfilters_calib_tokens, lib.qfilters_sign, lib.qfilters_filter_source,
             lib.qfilters_filters, lib.qfilters_backend) == (
-        "qfilters", 256, 4, 128, 128, 1, "queries", None, "auto")
+        "qfilters", 256, 4, 128, 128, 1, "calibrated", None, "auto")
     assert lib.qfilters_recent == 256 // 2  # recent = budget/2
     assert lib == config_of()
     # recent follows the budget in both (the rule written out: floor(budget/2), one scored slot left)
@@ -141,7 +141,7 @@ def test_no_command_is_an_error(capsys):
         (["--recent", "-1"], "--recent"),
         (["--recent", "300"], "--recent"),
         (["--budget", "4", "--n-sink", "4"], "--n-sink"),
-        (["--calib-tokens", "0"], "--calib-tokens"),
+        (["--calib-tokens", "0", "--filter-source", "keys"], "--calib-tokens"),
         (["--sign", "0"], "--sign"),
         (["--sign", "2"], "--sign"),
         (["--sign", "plus"], "--sign"),
@@ -394,6 +394,8 @@ def test_empty_prompt_file_and_stdin_are_refused(capsys, monkeypatch, tmp_path):
          ["--recent", "--filter-source"]),
         (["--filters", "F.safetensors", "--sign", "auto", "--calib-tokens", "9"],
          ["--calib-tokens", "--sign"]),
+        (["--sign", "-1", "--calib-tokens", "9"], ["--calib-tokens", "--sign"]),  # calibrated
+        (["--filter-source", "queries", "--calib-tokens", "9"], []),
         (["--budget", "64", "--recent", "8"], []),
     ],
 )
@@ -428,7 +430,10 @@ def test_summary_prints_only_what_applies():
     assert describe_config(config_of("--method", "l2norm", "--sign", "-1")) == \
         "method=l2norm budget=256 n_sink=4 recent=128"
     assert describe_config(config_of()) == ("method=qfilters budget=256 n_sink=4 recent=128 "
-                                            "filter_source=queries sign=+1 calib_tokens=128")
+                                            "filter_source=calibrated (the model's calibrated "
+                                            "query filter, found or made once)")
+    assert describe_config(config_of("--filter-source", "queries")) == (
+        "method=qfilters budget=256 n_sink=4 recent=128 filter_source=queries sign=+1 calib_tokens=128")
 
 
 def test_nothing_evicted_yet_instead_of_a_ratio():
@@ -485,7 +490,8 @@ def test_quantized_kv_flags_as_mlx_lm_spells_them():
     (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64, 128, got 48"),
     (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be >= 0, got -1"),
     (["--kv-bits", "4", "--draft-model", "x"], "--kv-bits with --draft-model"),
-    (["--kv-bits", "4", "--quantized-kv-start", "100"], "--quantized-kv-start 100 is below --calib-tokens 128"),
+    (["--kv-bits", "4", "--quantized-kv-start", "100", "--filter-source", "queries"],
+     "--quantized-kv-start 100 is below --calib-tokens 128"),
 ])
 def test_quantized_kv_flag_errors(capsys, args, message):
     assert message in run_error(capsys, "generate", *args, "--prompt", "hi")

@@ -207,12 +207,14 @@ def test_install_builds_fresh_caches_for_every_generation():
         KVCacheBuilder.install(model, KVCacheConfig(head_dim=64, qfilters_recent=0, qfilters_filter_source="keys"))
 
 
-@pytest.mark.parametrize("kw", [{}, {"qfilters_filter_source": "keys", "qfilters_sign": "auto"}])
+@pytest.mark.parametrize("kw", [{"qfilters_filter_source": "queries"},
+                                {"qfilters_filter_source": "keys", "qfilters_sign": "auto"}])
 def test_install_refuses_configs_that_need_observed_queries(kw):
     """mlx-lm builds installed caches itself (generate, the server), outside observe_queries:
-    the query filter could never be estimated, so install refuses it and changes nothing."""
+    the online query filter could never be estimated, so install refuses it and changes
+    nothing (the default, the calibrated filter, needs no queries: tests/test_default_filters.py)."""
     model = tiny_llama(head_dim=16)
     before = model.make_cache
-    with pytest.raises(ValueError, match=r"install: .*observed queries.*qfilters_filter_source='keys'"):
+    with pytest.raises(ValueError, match=r"install: .*observed queries.*qfilters_filter_source='calibrated'"):
         KVCacheBuilder.install(model, KVCacheConfig(qfilters_budget=16, **kw))
     assert model.make_cache == before

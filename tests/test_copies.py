@@ -204,7 +204,8 @@ def test_lru_prompt_cache_second_request_sharing_a_prefix():
 def test_a_copy_of_a_cache_waiting_for_queries_is_not_observed(how):
     """A copy is not the cache an observe_queries block registered: its first update outside one
     raises (never grows unobserved), like a fresh cache's."""
-    c = QFiltersKVCache(KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_calib_tokens=8))
+    c = QFiltersKVCache(KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_calib_tokens=8,
+                                      qfilters_filter_source="queries"))
     k = mx.array(np.random.default_rng(0).standard_normal((1, 2, 4, 8)).astype(np.float32))
     c.queries_observed = True  # as inside observe_queries
     c.update_and_fetch(k, k)

@@ -370,14 +370,14 @@ def test_cases_12_offset_after_speculative_decoding_with_eviction():
 
 @pytest.mark.parametrize("seed", [3, 11])
 def test_speculative_with_the_query_filter_and_eviction_caches_on_the_draft(seed):
-    """The command line's --draft-model setup: the main model on the default query filter inside
+    """The command line's --draft-model setup: the main model on the online query filter inside
     observe_queries, the draft on eviction caches too (the key-SVD filter, draft_config: one
     observed model). Both hold their budgets; every token is what the main model gives when fed
     only the accepted tokens, and the main caches keep what that replay keeps."""
     from qfilters_mlx.commands.generation import draft_config
 
     config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_calib_tokens=8,
-                           qfilters_max_rewind=8)
+                           qfilters_max_rewind=8, qfilters_filter_source="queries")
     assert config.needs_queries and not draft_config(config).needs_queries
     assert draft_config(config).qfilters_sign == -1
     prompt = prompt_tokens(seed, 30)

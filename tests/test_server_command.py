@@ -15,12 +15,14 @@ def _config(argv):
     return server._config(p, args), rest
 
 
-def test_default_filter_is_the_key_filter_and_flags_pass_through(capsys):
+def test_default_filter_is_the_libraries_and_flags_pass_through(capsys):
+    from qfilters_mlx import KVCacheConfig
+
     (cfg, described), rest = _config(["--budget", "64", "--port", "9", "--decode-concurrency", "4"])
-    assert cfg.qfilters_filter_source == "keys" and cfg.qfilters_budget == 64
-    assert "budget=64" in described and "filter_source=keys" in described
+    assert cfg == KVCacheConfig(qfilters_budget=64) and cfg.qfilters_filter_source == "calibrated"
+    assert "budget=64" in described and "filter_source=calibrated" in described
     assert rest == ["--port", "9", "--decode-concurrency", "4"]
-    assert "needs observed" in capsys.readouterr().err
+    assert capsys.readouterr().err == ""  # no silent switch to another filter
 
 
 @pytest.mark.parametrize("argv", [["--filter-source", "queries"], ["--sign", "auto"]])

@@ -129,7 +129,8 @@ def test_for_model_on_a_rank_builds_its_heads_and_slices_filters(stub_all_sum):
     m = sharded(model, 2, 3)
     caches = KVCacheBuilder.for_model(m, KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1,
                                                        qfilters_filters=whole))
-    assert caches.report.summary().endswith("rank 2 of 3 (tensor parallel): KV heads 4..5 of 6 per layer")
+    assert caches.report.summary().endswith("rank 2 of 3 (tensor parallel): KV heads 4..5 of 6 per "
+                                            "layer; filter: filters array (given)")
     for i, c in enumerate(caches):
         np.testing.assert_array_equal(np.array(c.filter), np.array(whole[i, 4:6]))
     c = caches[0]

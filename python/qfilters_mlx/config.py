@@ -28,8 +28,11 @@ from qfilters_mlx.recent_config import layer_recent, resolve_recent
 METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
 """Eviction methods sharing one engine (see DESIGN.md, "Scorers")."""
 
-FILTER_SOURCES = ("keys", "queries")
-"""Online filter estimators: key-SVD (sign from the config) or the paper's query-SVD."""
+FILTER_SOURCES = ("calibrated", "queries", "keys")
+"""Where the Q-Filter comes from: ``"calibrated"`` (the paper's offline query estimator, found
+or made once per model by ``KVCacheBuilder.for_model``: :mod:`qfilters_mlx.filters.default_filters`),
+or estimated online inside the cache: ``"queries"`` (the paper's query-SVD of the first
+``calib_tokens`` queries; needs ``observe_queries``) or ``"keys"`` (key-SVD, sign from the config)."""
 
 # The defaults of the library and of ``qfilters-mlx generate`` (one set; measured in README,
 # "Evaluation (SmolLM2-135M-Instruct)", from ``qfilters-mlx eval``: bench/results/eval_smollm2.md).
@@ -43,13 +46,13 @@ DEFAULT_RECENT_FRACTION = 0.5
 """The recent window as a fraction of the budget (see :func:`default_recent`): with recent
 budget/2 every scored method is far better in perplexity than with recent 0 (key-SVD -1 at
 budget 128: 16.05 vs 188.03) and better than with budget/4 at every budget (16.05 vs 16.82)."""
-DEFAULT_FILTER_SOURCE = "queries"
-"""The paper's online estimator from the first ``calib_tokens`` post-RoPE queries. Chosen over
-the key-SVD filter because it ranks cached tokens by the attention they receive better
-(Spearman +0.53..+0.61 vs +0.34..+0.47 for key-SVD sign -1, and -0.34..-0.47 for +1) and ties or
-beats it on perplexity (15.95 vs 16.05 at budget 128, 12.76 vs 12.93 at 512), and because its
-sign comes from the model's own queries, while the better key-SVD sign (-1 on SmolLM2) is a
-per-model measurement. Cost: generation must run inside ``observe_queries``."""
+DEFAULT_FILTER_SOURCE = "calibrated"
+"""The paper's offline estimator (post-RoPE queries of calibration text), found or made once per
+model by ``KVCacheBuilder.for_model``. The best score measured (README, "Evaluation"): Spearman
+with the attention a cached token receives +0.78/+0.84/+0.75 at 256/512/1024 cached tokens
+(online query filter +0.61/+0.55/+0.53, key-SVD sign -1 +0.34/+0.47/+0.47) and the best
+perplexity of every scored arm at every budget (13.48 at budget 256 vs 13.87 online queries,
+13.91 StreamingLLM). Generation needs keys and values only: no ``observe_queries``."""
 DEFAULT_SIGN = 1
 """Sign of the query filter's score (``qfilters_sign=None`` with the query source): +1 leaves
 its orientation as estimated (its sign is fixed by the queries)."""
@@ -78,10 +81,18 @@ def default_recent(budget: int, n_sink: int) -> int:
 class KVCacheConfig:
     """Configuration of the eviction cache.
 
-    ``KVCacheConfig()`` is the best measured configuration (README, "Evaluation"): the online
-    query filter (the paper's estimator; needs :func:`qfilters_mlx.observe_queries` around
-    generation), budget 256, 4 sinks, a recent window of budget/2, 128 calibration tokens. The
-    command line uses the same defaults (``tests/test_cli.py`` states them).
+    ``KVCacheConfig()`` is the best measured configuration (README, "Evaluation"): the
+    calibrated query filter (the paper's offline estimator), budget 256, 4 sinks, a recent
+    window of budget/2. It needs no model: ``qfilters_filter_source="calibrated"`` means "the
+    calibrated filter of the model the caches are built for", which
+    :meth:`qfilters_mlx.KVCacheBuilder.for_model` finds or makes (in this order: the file
+    ``qfilters_filters`` names; a file for the model's identity in the model folder or the user
+    cache ``$QFILTERS_MLX_HOME/filters``; else it calibrates once, on text that ships with
+    Python, and stores the file there; :mod:`qfilters_mlx.filters.default_filters`). To bring
+    your own filters pass ``qfilters_filters=`` (a file from ``qfilters-mlx calibrate`` or an
+    array). Generation then needs keys and values only (``mlx_lm.generate``, ``BatchGenerator``,
+    the server, draft models, ``mlx.launch`` ranks). The command line uses the same defaults
+    (``tests/test_cli.py`` states them).
 
     Attributes:
         method: one of ``"qfilters"``, ``"l2norm"``, ``"streaming_llm"``,
@@ -101,21 +112,26 @@ class KVCacheConfig:
             leave one scored slot), resolved at construction (so ``dataclasses.replace``
             with another budget must pass ``qfilters_recent=None`` again).
             ``streaming_llm`` ignores it and keeps the last ``budget - n_sink`` positions.
-        qfilters_calib_tokens: number of keys the online key-SVD filter is
-            estimated from, then frozen; nothing is evicted before that. Only
-            ``method="qfilters"`` uses it.
+        qfilters_calib_tokens: number of keys (and queries) the online filters
+            (``qfilters_filter_source="queries"`` or ``"keys"``) are estimated from, then
+            frozen; nothing is evicted before that. The calibrated filter (the default)
+            does not use it.
         qfilters_sign: ``+1`` keeps keys with large ``<k, u>``, ``-1`` keeps
             keys with small ``<k, u>``; ``None`` (default) resolves at construction
-            to :func:`default_sign` of the filter source (+1 for queries, -1 for
-            keys; ``dataclasses.replace`` with another source must pass ``None`` again). The key-SVD direction has no intrinsic
-            sign (see README, "Caveats"); ``"auto"`` picks it per KV head from
+            to :func:`default_sign` of the filter source (+1 for the query filters, -1 for
+            keys; ``dataclasses.replace`` with another source must pass ``None`` again).
+            The calibrated filter's sign is fixed by the queries: only ``+1``. The
+            key-SVD direction has no intrinsic sign (see README, "Caveats"); ``"auto"`` picks it per KV head from
             the queries of the first ``calib_tokens`` tokens (needs
             :func:`qfilters_mlx.observe.observe_queries` around generation).
-        qfilters_filter_source: ``"queries"`` (default: the paper's estimator from
-            the first ``calib_tokens`` post-RoPE queries, online; needs
-            ``observe_queries``; its sign is fixed by the queries, so
-            ``qfilters_sign`` must be ``+1`` or ``"auto"``) or ``"keys"`` (key-SVD,
-            no queries needed; use ``qfilters_sign=-1``, see :data:`DEFAULT_SIGN`).
+        qfilters_filter_source: ``"calibrated"`` (default: the paper's offline query
+            filter for the model, found or made by ``KVCacheBuilder.for_model``, see
+            above; a ``QFiltersKVCache`` built directly needs ``filters=``),
+            ``"queries"`` (opt-in: the paper's estimator from the first ``calib_tokens``
+            post-RoPE queries, online; needs ``observe_queries``; its sign is fixed by
+            the queries, so ``qfilters_sign`` must be ``+1`` or ``"auto"``) or ``"keys"``
+            (key-SVD online, no queries needed; use ``qfilters_sign=-1``, see
+            :data:`DEFAULT_KEY_SIGN`).
         qfilters_filters: precomputed filters ``[n_layers, n_kv_heads, head_dim]``
             (a safetensors path written by ``qfilters-mlx calibrate``, or an
             array). With filters, eviction starts at once and
@@ -237,6 +253,11 @@ class KVCacheConfig:
                 f"qfilters_filter_source must be one of {FILTER_SOURCES}, "
                 f"got {self.qfilters_filter_source!r}"
             )
+        if self.qfilters_filter_source == "calibrated" and self.qfilters_sign != 1:
+            raise ValueError(f"qfilters_sign={self.qfilters_sign!r} contradicts "
+                             "qfilters_filter_source='calibrated' (the calibrated query filter's sign "
+                             "is fixed by the queries: +1); for the key-SVD filter pass "
+                             "qfilters_filter_source='keys'")
         if self.qfilters_filter_source == "queries" and self.qfilters_sign == -1:
             raise ValueError("qfilters_sign=-1 contradicts qfilters_filter_source='queries' "
                              "(the query filter's sign is fixed by the queries); for the key-SVD "

@@ -42,7 +42,7 @@ def _greedy(model, tokenizer, tokens, caches, max_tokens, prefill_step_size=2048
 
     from qfilters_mlx import observe_queries
 
-    with observe_queries(model, caches):  # the CLI default filter is estimated from queries
+    with observe_queries(model, caches):  # for online query filters (the default needs none)
         return [
             r.token
             for r in stream_generate(
@@ -58,7 +58,7 @@ def _greedy(model, tokenizer, tokens, caches, max_tokens, prefill_step_size=2048
 
 
 def _config(budget):
-    """The default configuration (library and command line: the online query filter)."""
+    """The default configuration (library and command line: the calibrated query filter)."""
     from qfilters_mlx import KVCacheConfig
 
     return KVCacheConfig(qfilters_budget=budget)
@@ -103,10 +103,9 @@ def test_budget_holds_after_every_call(model_and_tokenizer, prompt_tokens):
     for before, L, returned, after in per_call:
         assert before <= BUDGET  # i.e. after every earlier call of the model
         assert returned == before + L <= BUDGET + L
-        # `after` is read when update_and_fetch returns: the query-filter cache of the call
-        # that reaches calib_tokens evicts only once it has seen that call's queries (in the
-        # attention right after), so only the next call's `before` shows the evicted size.
-        assert after <= max(BUDGET, before + L)
+        # The calibrated filter is fixed before the first call: every call evicts down to
+        # the budget before it returns.
+        assert after == min(BUDGET, before + L)
     assert all(c.size() == BUDGET for c in caches)
     assert caches[0].filter is not None
 
@@ -166,8 +165,9 @@ def test_cli_end_to_end(model_path, model_and_tokenizer, prompt_tokens, capsys):
 
     text = out.split("=" * 10)[1]
     assert _field(out, "Pass key found").startswith("yes" if PASS_KEY in text else "no")
-    assert ("method=qfilters budget=256 n_sink=4 recent=128 filter_source=queries sign=+1 "
-            "calib_tokens=128") in _field(out, "Cache config")
+    assert ("method=qfilters budget=256 n_sink=4 recent=128 filter_source=calibrated"
+            in _field(out, "Cache config"))
+    assert "filter: calibrated query filter" in _field(out, "Layers")
     assert float(_field(out, "Prompt speed").split()[0]) > 0
     assert float(_field(out, "Generation speed").split()[0]) > 0
     assert int(re.search(r"\((\d+) bytes\)", _field(out, "Peak memory")).group(1)) > 0

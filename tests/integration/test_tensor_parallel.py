@@ -116,14 +116,19 @@ def test_kept_positions_and_tokens_match_one_process(runs):
         np.testing.assert_array_equal(d["tokens"], one["tokens"])
 
 
-def test_key_filter_with_sign_auto_matches_one_process(runs):
-    _, one, ranks = runs
-    kept = np.concatenate([d["auto_kept"] for d in ranks], axis=1)
-    assert kept.shape == one["auto_kept"].shape == (30, 3, 16)
-    bad = np.argwhere((kept != one["auto_kept"]).any(axis=2))
+def _same_as_one_process(one, ranks, arm):
+    """The ranks' kept positions of ``arm`` (joined over heads) and tokens equal one process's."""
+    kept = np.concatenate([d[f"{arm}_kept"] for d in ranks], axis=1)
+    assert kept.shape == one[f"{arm}_kept"].shape == (30, 3, 16)
+    bad = np.argwhere((kept != one[f"{arm}_kept"]).any(axis=2))
     assert bad.size == 0, f"(layer, head) keeping other positions: {bad.tolist()}"
     for d in ranks:
-        np.testing.assert_array_equal(d["auto_tokens"], one["auto_tokens"])
+        np.testing.assert_array_equal(d[f"{arm}_tokens"], one[f"{arm}_tokens"])
+
+
+def test_key_filter_with_sign_auto_matches_one_process(runs):
+    _, one, ranks = runs
+    _same_as_one_process(one, ranks, "auto")
 
 
 def test_each_rank_holds_a_third_of_the_kv_bytes(runs):
@@ -167,3 +172,23 @@ def test_generate_under_mlx_launch_prints_on_rank_0_only(runs):
     assert f"({one_kept} bytes)" in lines["KV bytes kept, all ranks"]
     assert f"({one_full} bytes)" in lines["KV bytes full, all ranks"]
     assert "Tensor parallel" not in single
+
+
+def test_default_config_calibrates_once_for_all_ranks_and_matches_one_process(runs):
+    """The default (the calibrated query filter) under mlx.launch: the ranks calibrate
+    together, rank 0 stores one whole-model file, each rank scores with its head's slice (equal
+    to one process's filters to float32 summation order) and, with no observe_queries, every
+    rank holds the budget and keeps the positions one process keeps."""
+    import mlx.core as mx
+
+    out, one, ranks = runs
+    files = [sorted((out / run / "home" / "filters").glob("*.safetensors")) for run in ("single", "tp")]
+    assert [len(f) for f in files] == [1, 1] and files[0][0].name == files[1][0].name  # model id
+    whole = np.array(mx.load(str(files[1][0]))["filters"])
+    for r, d in enumerate(ranks):
+        np.testing.assert_array_equal(d["default_filters"], whole[:, r:r + 1])
+        assert f"filter: calibrated query filter {files[1][0]}" in info(d)["default_summary"]
+        assert info(d)["default_sizes"] == [16] * 30
+    cos = (np.concatenate([d["default_filters"] for d in ranks], axis=1) * one["default_filters"]).sum(-1)
+    assert cos.min() > 0.9999, cos.min()
+    _same_as_one_process(one, ranks, "default")

@@ -7,7 +7,10 @@ Writes ``OUT/started<rank>`` once the group is up, then, per rank:
 1. ``qfilters-mlx calibrate`` (the command's ``main``) over a small text -> ``OUT/filters.safetensors``
    (rank 0 writes), stdout in ``OUT/calibrate<rank>.txt``;
 2. ``for_model`` with that file: each budgeted cache's filter (the rank's slice);
-3. a greedy generation with the online query filter past several evictions (prefill in
+3. the default configuration (the calibrated query filter, found or made by ``for_model``: all
+   ranks calibrate together, rank 0 stores the file in this run's own ``QFILTERS_MLX_HOME``)
+   through ``stream_generate`` with no ``observe_queries``: filters, tokens, kept positions;
+   a greedy generation with the online query filter past several evictions (prefill in
    chunks of 8, then decoding): generated token ids, kept positions of every (layer, local
    KV head), KV bytes; a shorter one with the key filter oriented by the queries
    (``sign="auto"``); layer 0's ``k_proj`` weight (which heads the rank holds);
@@ -68,19 +71,28 @@ def main(out: Path, model_path: str) -> None:
 
     ids = tok.encode(PROMPT)
 
-    def generate(config, step, max_tokens):
-        caches = KVCacheBuilder.for_model(model, config)
+    def generate(config, step, max_tokens, watch=True):
+        caches = KVCacheBuilder.for_model(model, config, tokenizer=tok)
         tokens = []
-        with observe_queries(model, caches):
+        with observe_queries(model, caches) if watch else contextlib.nullcontext():
             for r in stream_generate(model, tok, ids, max_tokens=max_tokens, prompt_cache=caches,
                                      prefill_step_size=step):
                 tokens.append(r.token)
         mx.synchronize(generation_stream)  # its look-ahead step holds collectives
         return caches, tokens, mx.stack([c.kept_positions()[0] for c in caches])  # [layers, heads, T]
 
-    # the default query filter, estimated online per rank
+    # the default: the calibrated query filter, calibrated now (this run's own cache folder)
+    import os
+
+    os.environ["QFILTERS_MLX_HOME"] = str(out / "home")
+    default, default_tokens, default_kept = generate(KVCacheConfig(
+        qfilters_budget=BUDGET, qfilters_n_sink=N_SINK), STEP, MAX_TOKENS, watch=False)
+    default_filters = mx.stack([c.filter for c in default])
+    default_summary = default.report.summary()
+    # the online query filter, estimated per rank
     caches, tokens, kept = generate(KVCacheConfig(
-        qfilters_budget=BUDGET, qfilters_n_sink=N_SINK, qfilters_calib_tokens=CALIB), STEP, MAX_TOKENS)
+        qfilters_budget=BUDGET, qfilters_n_sink=N_SINK, qfilters_calib_tokens=CALIB,
+        qfilters_filter_source="queries"), STEP, MAX_TOKENS)
     # the key-SVD filter oriented by the observed queries (sign="auto"), per rank
     _, auto_tokens, auto_kept = generate(KVCacheConfig(
         qfilters_budget=BUDGET, qfilters_n_sink=N_SINK, qfilters_calib_tokens=CALIB,
@@ -93,15 +105,17 @@ def main(out: Path, model_path: str) -> None:
             "kept_bytes": sum(c.qfilters_kept_bytes for c in caches),
             "full_bytes": sum(c.full_seq_bytes for c in caches),
             "kv_bytes": sum(c.keys.nbytes + c.values.nbytes for c in caches),
-            "evicted": [bool(c.evicted) for c in caches]}
+            "evicted": [bool(c.evicted) for c in caches], "default_summary": default_summary,
+            "default_sizes": [c.size() for c in default]}
     import numpy as np
 
     np.savez(out / f"{tag}.npz", tokens=np.array(tokens), kept=np.array(kept),
              auto_tokens=np.array(auto_tokens), auto_kept=np.array(auto_kept),
-             file_filters=np.array(file_filters),
+             file_filters=np.array(file_filters), default_tokens=np.array(default_tokens),
+             default_kept=np.array(default_kept), default_filters=np.array(default_filters),
              k_proj=np.array(model.layers[0].self_attn.k_proj.weight),
              info=np.array(json.dumps(info)))
-    del model, caches, from_file
+    del model, caches, from_file, default
     barrier(group)
 
     buf = io.StringIO()

@@ -39,6 +39,7 @@ __all__ = [
     "GGUF_PACKAGE",
     "INSTALL_HINT",
     "MARKER_FILENAME",
+    "cache_root",
     "convert_gguf",
     "default_model_dir",
     "find_gguf",
@@ -57,20 +58,22 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", MARKER_
 _FORMAT_VERSION = 1
 
 
-def default_model_dir() -> Path:
-    """Folder the converted model lives in by default.
-
-    ``$QFILTERS_MLX_HOME`` if set, else ``$XDG_CACHE_HOME/qfilters-mlx``, else
-    ``~/.cache/qfilters-mlx``; joined with ``models/SmolLM2-135M-Instruct-f32``.
-    The folder is not created.
-    """
+def cache_root() -> Path:
+    """The user cache of qfilters-mlx (models, filters): ``$QFILTERS_MLX_HOME`` if set, else
+    ``$XDG_CACHE_HOME/qfilters-mlx``, else ``~/.cache/qfilters-mlx``. Not created here."""
     home = os.environ.get("QFILTERS_MLX_HOME")
     if home:
         root = Path(home)
     else:
         cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         root = Path(cache) / "qfilters-mlx"
-    return root.expanduser() / "models" / f"{DEFAULT_MODEL_NAME}-f32"
+    return root.expanduser()
+
+
+def default_model_dir() -> Path:
+    """Folder the converted model lives in by default: :func:`cache_root` joined with
+    ``models/SmolLM2-135M-Instruct-f32``. The folder is not created."""
+    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-f32"
 
 
 def find_gguf() -> Path:

@@ -36,12 +36,16 @@ class BuildReport:
         shared_kv: paths of the budgeted slots whose K/V other layers read with
             ``keys_and_values()`` (gemma3n, afm7); their caches keep what their last update
             returned (``QFiltersKVCache.keep_last_kv``).
+        filters: the filter in use and where it came from (one line, e.g. ``"calibrated
+            query filter PATH (found by model identity; 2048 tokens of ...)"``; see
+            :mod:`qfilters_mlx.filters.default_filters`); ``""`` when not recorded.
     """
 
     budgeted: tuple[CacheSlot, ...]
     kept: tuple[CacheSlot, ...]
     shard: object = None
     shared_kv: tuple = ()
+    filters: str = ""
 
     @property
     def partial(self) -> bool:
@@ -50,9 +54,11 @@ class BuildReport:
 
     def summary(self) -> str:
         """One line: ``"all 2 layers budgeted"`` or which layers keep which cache and why
-        (then, on a tensor-parallel rank, ``"; rank r of N (tensor parallel): KV heads ..."``)."""
+        (then, on a tensor-parallel rank, ``"; rank r of N (tensor parallel): KV heads ..."``),
+        then ``"; filter: "`` and :attr:`filters`."""
         text = self._layers_summary()
-        return text if self.shard is None else f"{text}; {self.shard.summary()}"
+        text = text if self.shard is None else f"{text}; {self.shard.summary()}"
+        return f"{text}; filter: {self.filters}" if self.filters else text
 
     def _layers_summary(self) -> str:
         n = len(self.budgeted)
@@ -87,30 +93,28 @@ def describe(caches) -> str:
     return f"{len(ours)} of {len(list(walk(caches)))} caches are QFiltersKVCache"
 
 
-def _layer_filters(model, config: KVCacheConfig):
-    """``[n_budgeted, n_kv_heads, head_dim]`` filters from ``config.qfilters_filters``
-    (a path is loaded and checked against the model), or ``None``. The file or array
-    holds the whole model's heads; on a tensor-parallel rank the result holds the
-    rank's (:func:`qfilters_mlx.sharding.local_filters`)."""
+def _layer_filters(model, config: KVCacheConfig, tokenizer=None, model_path=None):
+    """``(filters, config, origin)``: the ``[n_budgeted, n_kv_heads, head_dim]`` filters
+    ``config`` asks for (``None`` for the online filters), the configuration to build with and
+    the line naming them (:func:`qfilters_mlx.filters.default_filters.resolve_filters`: a given
+    file or array, else the calibrated filter found or made for the model). Files and arrays
+    hold the whole model's heads; on a tensor-parallel rank the result holds the rank's
+    (:func:`qfilters_mlx.sharding.local_filters`)."""
     import mlx.core as mx
     import numpy as np
 
-    from qfilters_mlx.filters.calibration import load_filters
-    from qfilters_mlx.model_info import check_filters_shape
-
+    from qfilters_mlx.filters.default_filters import resolve_filters
+    from qfilters_mlx.model_info import check_filters_shape, model_dims
     from qfilters_mlx.sharding import local_filters, shard_info
 
-    f = config.qfilters_filters
-    if f is None or config.method != "qfilters":
-        return None
-    if isinstance(f, str):
-        f = load_filters(f, model)[0]
-    else:
-        f = mx.array(np.asarray(f)) if not isinstance(f, mx.array) else f
-        check_filters_shape(f, model)
-    from qfilters_mlx.model_info import model_dims
-
-    return local_filters(f.astype(mx.float32), shard_info(model, {model_dims(model)[1]}))
+    resolved = resolve_filters(model, config, tokenizer, model_path)
+    f = resolved.filters
+    if f is None:
+        return None, resolved.config, resolved.origin
+    f = mx.array(np.asarray(f)) if not isinstance(f, mx.array) else f
+    check_filters_shape(f, model)
+    f = local_filters(f.astype(mx.float32), shard_info(model, {model_dims(model)[1]}))
+    return f, resolved.config, resolved.origin
 
 
 def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[CacheSlot]:
@@ -175,9 +179,27 @@ class KVCacheBuilder:
     """Builds eviction caches for a model (see :meth:`for_model`)."""
 
     @staticmethod
-    def for_model(model, config: KVCacheConfig) -> BudgetedCaches:
+    def for_model(model, config: KVCacheConfig | None = None, *, tokenizer=None,
+                  model_path=None) -> BudgetedCaches:
         """The model's own caches with every plain ``KVCache`` replaced by a
         :class:`QFiltersKVCache` (inside ``CacheList`` too).
+
+        The filter: with the default ``qfilters_filter_source="calibrated"`` (``config=None``
+        means ``KVCacheConfig()``) every budgeted slot gets the model's calibrated query filter
+        (the paper's offline estimator) and evicts from its first call, so generation needs
+        keys and values only (no ``observe_queries``). It is found or made here, in this
+        order (:mod:`qfilters_mlx.filters.default_filters`): the file ``qfilters_filters``
+        names; ``<model_path>/qfilters_filters.safetensors``; the user-cache file for the
+        model's identity (``$QFILTERS_MLX_HOME/filters/<model id>.safetensors``); else it
+        calibrates now, once (2,048 tokens of text that ships with Python, a progress bar and
+        one line on stderr; 130 s for SmolLM2-135M on a shared 2-core CPU), and stores the
+        file there, so the next build loads it (0.10-0.11 s for the whole build on SmolLM2). ``tokenizer`` (else
+        the one in ``model_path``) tokenizes the calibration text; without either the model
+        samples its own calibration text. If the model's queries cannot be captured, the
+        caches use the online key-SVD filter and one stderr line says so. ``report.filters``
+        (in :func:`describe` and ``repr``) names the filter in use and where it came from.
+        Online filters are opt-in: ``qfilters_filter_source="queries"`` (inside
+        ``observe_queries``) or ``"keys"``.
 
         Each budgeted slot gets its own key width (``config.head_dim=None``, the
         usual case, works for every plain-attention model, including models whose
@@ -187,15 +209,16 @@ class KVCacheBuilder:
         :func:`describe` say which. Use as ``model.make_cache = lambda *_a, **_k:
         caches`` or, for fresh caches per generation, :meth:`install`.
 
-        With ``config.qfilters_filters`` (a path or an array ``[n_layers,
-        n_kv_heads, head_dim]`` over the budgeted layers, see
-        :func:`qfilters_mlx.model_info.model_dims`), budgeted slot ``i`` gets
-        ``filters[i]`` and evicts from its first call.
+        Bring your own filters with ``config.qfilters_filters`` (a path written by
+        ``qfilters-mlx calibrate`` or an array ``[n_layers, n_kv_heads, head_dim]`` over the
+        budgeted layers, see :func:`qfilters_mlx.model_info.model_dims`): budgeted slot
+        ``i`` gets ``filters[i]`` and evicts from its first call.
 
         On one rank of a tensor-parallel model (``mlx_lm.utils.sharded_load`` /
         ``model.shard(group)`` under ``mlx.launch``) the caches hold the rank's KV heads
         (read from the sharded model by the shape probe), a filters file or array
-        (whole model) is sliced to them, and ``report.shard`` says which
+        (whole model; also the calibrated one, found or made by all ranks together, written
+        by rank 0) is sliced to them, and ``report.shard`` says which
         (:mod:`qfilters_mlx.sharding`).
 
         Raises:
@@ -204,10 +227,17 @@ class KVCacheBuilder:
                 the layers); no layer has a plain attention cache; ``config.head_dim``
                 differs from a layer's key width (both numbers named); the model
                 uses its caches beyond mlx-lm's cache protocol; the filters
-                do not fit the model; the backend is unavailable; the model cannot
+                do not fit the model (a found file for another model is named, not
+                replaced); the backend is unavailable; the model cannot
                 be probed; a tensor-parallel rank holds part of a KV head (the KV
                 heads are not divisible by the group size).
         """
+        return KVCacheBuilder._prepare(model, config, tokenizer, model_path)[0]
+
+    @staticmethod
+    def _prepare(model, config, tokenizer, model_path):
+        """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
+        config = KVCacheConfig() if config is None else config
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         from qfilters_mlx.sharding import check_shards, shard_info
@@ -217,12 +247,17 @@ class KVCacheBuilder:
         budgeted = _check_layout(slots, config, model)
         shared_kv = _trial_forward(model, budgeted)
         shard = shard_info(model, {s.n_kv_heads for s in budgeted})
-        return KVCacheBuilder._build(config, slots, budgeted, _layer_filters(model, config), model,
-                                     shard, shared_kv)
+        filters, config, origin = _layer_filters(model, config, tokenizer, model_path)
+
+        def build():
+            return KVCacheBuilder._build(config, slots, budgeted, filters, model, shard, shared_kv,
+                                         origin)
+
+        return build(), build
 
     @staticmethod
     def _build(config: KVCacheConfig, slots, budgeted, filters, model, shard=None,
-               shared_kv: tuple = ()) -> BudgetedCaches:
+               shared_kv: tuple = (), origin: str = "") -> BudgetedCaches:
         """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
         caches = BudgetedCaches(default_caches(model))
         table = per_layer_table(config, len(budgeted))
@@ -236,30 +271,33 @@ class KVCacheBuilder:
             replace_at(caches, s.path, c)
         keys = {s.path for s in budgeted}
         caches.report = BuildReport(tuple(budgeted), tuple(s for s in slots if s.path not in keys),
-                                    shard, tuple(shared_kv))
+                                    shard, tuple(shared_kv), origin)
         return caches
 
     @staticmethod
-    def install(model, config: KVCacheConfig) -> BuildReport:
+    def install(model, config: KVCacheConfig | None = None, *, tokenizer=None,
+                model_path=None) -> BuildReport:
         """Make ``model.make_cache()`` build *fresh* eviction caches on every call.
 
         Unlike ``model.make_cache = lambda *_a, **_k: caches``, which hands the
         same (already used) cache objects to every later generation, this is safe
         for repeated ``mlx_lm.generate`` calls and for servers that build a cache
         per request. Validates like :meth:`for_model` (errors are raised here, not
-        at the first generation); the model is probed once, here. Returns the
-        :class:`BuildReport`.
+        at the first generation); the model is probed and its filter found or made
+        (the default: the calibrated query filter, see :meth:`for_model`; ``tokenizer``
+        and ``model_path`` as there) once, here. Returns the :class:`BuildReport`
+        (``report.filters`` names the filter).
 
         mlx-lm builds these caches inside ``generate`` or its server, where no
-        ``observe_queries`` can wrap them, so a configuration that needs observed
-        queries (the default query filter, ``sign="auto"``) is refused here; use
-        ``qfilters_filter_source="keys"`` or a calibrated filters file
-        (``qfilters_filters=``). For ``mlx_lm.server``'s prompt-cache reuse see
+        ``observe_queries`` can wrap them, so the opt-in online configurations that need
+        observed queries (``qfilters_filter_source="queries"``, ``sign="auto"``) are
+        refused here; the default needs none. For ``mlx_lm.server``'s prompt-cache reuse see
         README ("mlx-lm's server prompt cache": ``qfilters_max_rewind``).
 
         Raises:
             ValueError: what :meth:`for_model` raises, or ``config.needs_queries``.
         """
+        config = KVCacheConfig() if config is None else config
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         if config.needs_queries:
@@ -268,12 +306,9 @@ class KVCacheBuilder:
                 f"(qfilters_filter_source={config.qfilters_filter_source!r}, qfilters_sign="
                 f"{config.qfilters_sign!r}), but caches that mlx-lm builds itself (model.make_cache "
                 "in generate or mlx_lm.server) run outside observe_queries: use "
-                "qfilters_filter_source='keys' (sign -1 by default) or qfilters_filters=FILE from "
-                "`qfilters-mlx calibrate`, or build caches with for_model and generate inside "
-                "observe_queries")
-        report = KVCacheBuilder.for_model(model, config).report  # validate now
-        slots, filters = report.budgeted + report.kept, _layer_filters(model, config)
-        model.make_cache = lambda *_a, **_k: KVCacheBuilder._build(config, slots, report.budgeted,
-                                                                   filters, model, report.shard,
-                                                                   report.shared_kv)
-        return report
+                "the default qfilters_filter_source='calibrated' (the calibrated query filter), "
+                "qfilters_filters=FILE from `qfilters-mlx calibrate`, or 'keys' (sign -1 by default), "
+                "or build caches with for_model and generate inside observe_queries")
+        caches, build = KVCacheBuilder._prepare(model, config, tokenizer, model_path)  # validate now
+        model.make_cache = lambda *_a, **_k: build()
+        return caches.report

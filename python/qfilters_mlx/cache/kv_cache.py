@@ -55,6 +55,9 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
     Args:
         config: a validated :class:`KVCacheConfig` (``method`` selects the scorer).
         layer_idx: index of the layer (seeds the ``random`` arm).
+        filters: this layer's fixed Q-Filter ``[H_kv, D]`` (any float dtype, stored
+            float32; score ``sign * <k, f>``): eviction starts at the first call. Needed
+            with ``qfilters_filter_source="calibrated"``; ``None`` for the online filters.
 
     Attributes:
         offset: absolute number of tokens fed (the RoPE position of the next token).
@@ -65,7 +68,9 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
 
     Raises:
         TypeError: ``config`` is not a :class:`KVCacheConfig`.
-        ValueError: the configured backend is not available.
+        ValueError: the configured backend is not available; ``filters`` is ``None`` with
+            ``qfilters_filter_source="calibrated"`` (the default: those filters come from
+            ``KVCacheBuilder.for_model``).
     """
 
     step = 256
@@ -80,16 +85,7 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | None = None):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if filters is not None:
-            if not isinstance(filters, mx.array) or filters.ndim != 2:
-                raise ValueError("filters must be an mx.array [H_kv, D], got "
-                                 f"{getattr(filters, 'shape', type(filters).__name__)}")
-            if not mx.issubdtype(filters.dtype, mx.floating):
-                raise TypeError(f"filters must be floating point, got {filters.dtype}")
-            hd = config.head_dim
-            if hd is not None and filters.shape[1] != hd:
-                raise ValueError(f"filters head_dim {filters.shape[1]} != config.head_dim {hd}")
-            filters = filters.astype(mx.float32)
+        filters = self._checked_filters(config, filters)
         self.config = config
         self.layer_idx = int(layer_idx)
         self.backend = get_backend(config.qfilters_backend)

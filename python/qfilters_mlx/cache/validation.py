@@ -16,6 +16,28 @@ class ValidationMixin:
             or its filter, or queries that a query-calibrated cache needs but never saw.
     """
 
+    @staticmethod
+    def _checked_filters(config, filters):
+        """The constructor's ``filters`` argument checked (``[H_kv, D]`` floating point, or
+        ``None`` unless the config needs it: the calibrated filter) and cast to float32."""
+        if filters is not None:
+            if not isinstance(filters, mx.array) or filters.ndim != 2:
+                raise ValueError("filters must be an mx.array [H_kv, D], got "
+                                 f"{getattr(filters, 'shape', type(filters).__name__)}")
+            if not mx.issubdtype(filters.dtype, mx.floating):
+                raise TypeError(f"filters must be floating point, got {filters.dtype}")
+            hd = config.head_dim
+            if hd is not None and filters.shape[1] != hd:
+                raise ValueError(f"filters head_dim {filters.shape[1]} != config.head_dim {hd}")
+            filters = filters.astype(mx.float32)
+        elif config.method == "qfilters" and config.qfilters_filter_source == "calibrated":
+            raise ValueError(
+                "qfilters_filter_source='calibrated' (the default) scores with the model's calibrated "
+                "query filter, which KVCacheBuilder.for_model / install find or make: build the caches "
+                "with them, pass filters= ([H_kv, D]), or choose an online filter "
+                "(qfilters_filter_source='queries' inside observe_queries, or 'keys')")
+        return filters
+
     def _input_layout(self) -> tuple:
         """``(B, H_kv, D_k, D_v, dtype)`` of the inputs the stored rows came from
         (the stored buffers' own here; the quantized cache overrides it). Needs a non-empty cache."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import sys
 
-from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.config import DEFAULT_FILTER_SOURCE, KVCacheConfig
 
 __all__ = ["applicable_flags", "config_from_args", "describe_config", "ignored_flags",
            "warn_ignored"]
@@ -35,8 +35,15 @@ _CACHE_FLAGS = ("budget", "max_kv_size", "n_sink", "recent", "calib_tokens", "fi
                 "sign", "filters")
 
 
-def applicable_flags(method: str, has_filters: bool) -> set[str]:
-    """The cache flags (``args`` attribute names) that change what ``method`` does."""
+def _calibrated(args) -> bool:
+    """Whether ``args`` ask for the calibrated filter (``--filter-source``, default calibrated)."""
+    return (getattr(args, "filter_source", None) or DEFAULT_FILTER_SOURCE) == "calibrated"
+
+
+def applicable_flags(method: str, has_filters: bool, calibrated: bool = False) -> set[str]:
+    """The cache flags (``args`` attribute names) that change what ``method`` does
+    (``has_filters``: ``--filters`` given; ``calibrated``: the calibrated filter, whose
+    filter needs no ``--calib-tokens`` or ``--sign``)."""
     if method == "full":
         return set()
     flags = {"budget", "max_kv_size", "n_sink"}
@@ -46,14 +53,16 @@ def applicable_flags(method: str, has_filters: bool) -> set[str]:
     if method == "qfilters":
         flags.add("filters")
         if not has_filters:
-            flags |= {"calib_tokens", "filter_source", "sign"}
+            flags.add("filter_source")
+            if not calibrated:
+                flags |= {"calib_tokens", "sign"}
     return flags
 
 
 def ignored_flags(args, method: str | None = None) -> list[str]:
     """Cache flags given on the command line that do nothing for ``method`` (default ``args.method``)."""
     method = method or args.method
-    keep = applicable_flags(method, args.filters is not None)
+    keep = applicable_flags(method, args.filters is not None, _calibrated(args))
     return ["--" + name.replace("_", "-") for name in _CACHE_FLAGS
             if getattr(args, name, None) is not None and name not in keep]
 
@@ -61,7 +70,8 @@ def ignored_flags(args, method: str | None = None) -> list[str]:
 def warn_ignored(parser, args, method: str | None = None) -> None:
     """One warning line on stderr per given flag that ``method`` does not use."""
     method = method or args.method
-    detail = " with --filters" if method == "qfilters" and args.filters is not None else ""
+    detail = ("" if method != "qfilters" else " with --filters" if args.filters is not None else
+              " with the calibrated filter (--filter-source calibrated)" if _calibrated(args) else "")
     for flag in ignored_flags(args, method):
         print(f"{parser.prog}: warning: {flag} does nothing with --method {method}{detail} "
               f"(ignored)", file=sys.stderr)
@@ -85,7 +95,7 @@ def config_from_args(parser, args, method: str | None = None, budget: int | None
     so ``--method full --budget 8 --recent 8`` is accepted.
     """
     method = method or args.method
-    keep = applicable_flags(method, args.filters is not None)
+    keep = applicable_flags(method, args.filters is not None, _calibrated(args))
     given = {name: getattr(args, name) for name in _CACHE_FLAGS
              if name in keep and getattr(args, name, None) is not None}
     kwargs = {"method": method, "qfilters_backend": args.backend,
@@ -136,6 +146,9 @@ def describe_config(config) -> str:
         f = config.qfilters_filters
         if f is not None:
             parts.append(f"filters={f if isinstance(f, str) else 'array'}")
+        elif config.qfilters_filter_source == "calibrated":
+            parts.append("filter_source=calibrated (the model's calibrated query filter, found or "
+                         "made once)")
         else:
             sign = config.qfilters_sign
             sign = sign if isinstance(sign, str) else f"{sign:+d}"

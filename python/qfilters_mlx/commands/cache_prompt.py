@@ -65,7 +65,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     model, tokenizer = generation.load_model(parser, args, model_path)
     tokens = generation.build_prompt(parser, args, tokenizer, text, continue_final=True)
     try:
-        caches = KVCacheBuilder.for_model(model, config)
+        caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         parser.error(str(err))
     progress = generation.prefill_progress()

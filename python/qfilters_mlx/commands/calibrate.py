@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from qfilters_mlx.commands.model_path import resolve_model
+from qfilters_mlx.filters.default_filters import encode_quietly
 
 __all__ = ["add_parser", "encode_quietly", "progress_chunks", "run"]
 
@@ -57,22 +58,6 @@ def add_parser(sub) -> None:
     cal.add_argument("--filters-from", default=None, metavar="FILE",
                      help="take the filters from this earlier `calibrate` output (same model, checked) "
                           "instead of estimating them again; only the per-head windows are computed")
-
-
-def encode_quietly(tokenizer, text: str) -> list[int]:
-    """``tokenizer.encode(text)`` without transformers' "sequence length is longer than the
-    specified maximum" warning: the text is tokenized whole but run through the model in
-    ``--chunk``-token pieces, so the warning's "indexing errors" cannot happen."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - mlx-lm depends on transformers
-        return tokenizer.encode(text)
-    before = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return tokenizer.encode(text)
-    finally:
-        hf_logging.set_verbosity(before)
 
 
 def progress_chunks(chunks: list, stream=None):

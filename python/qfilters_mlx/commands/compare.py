@@ -87,7 +87,7 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
         if args.seed is not None:
             mx.random.seed(args.seed)  # every entry samples from the same state
         try:
-            caches = KVCacheBuilder.for_model(model, config)
+            caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
             draft = None if draft_model is None else generation.build_draft(
                 parser, args, draft_model, draft_tokenizer, tokenizer, config, f"--compare {label}")
         except (ValueError, TypeError, OSError, RuntimeError) as err:

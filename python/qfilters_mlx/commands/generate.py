@@ -181,7 +181,8 @@ def _run(parser, args, blas_library, world) -> int:
         tokenizer.add_eos_token(token)
     tokens = generation.build_prompt(parser, args, tokenizer, text, suffix_of_cached=loaded is not None)
     try:
-        caches = loaded if loaded is not None else KVCacheBuilder.for_model(model, config)
+        caches = loaded if loaded is not None else KVCacheBuilder.for_model(
+            model, config, tokenizer=tokenizer, model_path=model_path)
         config = config or next(c.config for c in caches if hasattr(c, "config"))
         draft = None
         if draft_path is not None:

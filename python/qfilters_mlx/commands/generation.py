@@ -156,7 +156,8 @@ def build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config, f
     if config.method != "full" and args.num_draft_tokens > config.qfilters_max_rewind:
         parser.error(f"--num-draft-tokens {args.num_draft_tokens} is more than the caches can rewind "
                      f"after an eviction (--max-rewind {config.qfilters_max_rewind}): raise --max-rewind")
-    return draft_model, KVCacheBuilder.for_model(draft_model, draft_config(config))
+    return draft_model, KVCacheBuilder.for_model(draft_model, draft_config(config),
+                                                 tokenizer=draft_tokenizer or tokenizer)
 
 
 def make_sampler_from_args(args):

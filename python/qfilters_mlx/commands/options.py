@@ -160,22 +160,25 @@ def add_cache_args(group) -> None:
                             f"'Evaluation': on SmolLM2 recent budget/2 beat budget/4 and 0 for "
                             f"every score). Not used by streaming_llm and full")
     group.add_argument("--calib-tokens", type=int, default=None,
-                       help=f"tokens the online qfilters filter is estimated from before it is "
-                            f"frozen; nothing is evicted before (default {DEFAULT_CALIB_TOKENS})")
+                       help=f"tokens the online filters (--filter-source queries or keys) are "
+                            f"estimated from before they are frozen; nothing is evicted before "
+                            f"(default {DEFAULT_CALIB_TOKENS})")
     group.add_argument("--filter-source", choices=FILTER_SOURCES, default=None,
-                       help=f"online Q-Filter estimator: 'queries' (the paper's: SVD of the first "
-                            f"--calib-tokens post-RoPE queries, sign fixed by the queries; "
-                            f"default {DEFAULT_FILTER_SOURCE}) or 'keys' (SVD of the first keys; "
-                            f"sign from --sign)")
+                       help=f"where the Q-Filter comes from: 'calibrated' (default "
+                            f"{DEFAULT_FILTER_SOURCE}: the paper's query filter of this model, "
+                            f"found by model identity or calibrated once on first use and stored "
+                            f"in $QFILTERS_MLX_HOME/filters), or online: 'queries' (the paper's "
+                            f"SVD of the first --calib-tokens post-RoPE queries) or 'keys' (SVD of "
+                            f"the first keys; sign from --sign)")
     group.add_argument("--sign", type=parse_sign, default=None, metavar="{+1,-1,auto}",
-                       help=f"sign of the filter score; 'auto' picks it per KV head from the "
-                            f"first queries. Default: +1 with --filter-source queries, "
+                       help=f"sign of the online filters' score; 'auto' picks it per KV head from "
+                            f"the first queries. Default: +1 with --filter-source queries, "
                             f"{DEFAULT_KEY_SIGN:+d} with keys (measured on SmolLM2, see README: "
                             f"the key-SVD direction points against the queries in most KV "
                             f"heads, and -1 ranked tokens by received attention better than +1 "
                             f"and than 'auto')")
     group.add_argument("--filters", default=None, metavar="FILE",
-                       help="precomputed filters from `qfilters-mlx calibrate` (eviction starts "
+                       help="your own filters from `qfilters-mlx calibrate` (eviction starts "
                             "at once; --calib-tokens, --filter-source and --sign then do nothing)")
     group.add_argument("--backend", choices=BACKENDS, default="auto",
                        help="eviction kernel backend (default auto)")

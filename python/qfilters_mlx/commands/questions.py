@@ -139,7 +139,7 @@ def run_questions(parser, args, config, blas_library=None) -> int:
     ctx, qs = split_prompt(tokenizer, context, args.question, system_prompt=args.system_prompt,
                            ignore_chat_template=args.ignore_chat_template, template_kwargs=kwargs)
     try:
-        caches = KVCacheBuilder.for_model(model, config)
+        caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
     except (ValueError, TypeError, OSError) as err:
         parser.error(str(err))
     tic = time.perf_counter()

@@ -27,11 +27,11 @@ The caches rewind :data:`DEFAULT_MAX_REWIND` tokens exactly unless ``--max-rewin
 says otherwise (``--num-draft-tokens`` at least, with a draft model; 0 with
 ``--kv-bits``, whose caches cannot rewind).
 
-The configuration is printed at start. Configurations that estimate the filter
-from observed queries (``--filter-source queries``, ``--sign auto``) cannot run
-here (mlx-lm builds and batches the caches itself, outside ``observe_queries``):
-without ``--filters`` and ``--filter-source``, the server uses the key filter
-(``--filter-source keys``) and says so; asking for queries explicitly is refused.
+The configuration is printed at start, and the log names the filter in use and where it came
+from. The default is the library's: the model's calibrated query filter, found or made once by
+:meth:`KVCacheBuilder.install` (:mod:`qfilters_mlx.filters.default_filters`). The opt-in online
+query filters (``--filter-source queries``, ``--sign auto``) cannot run here (mlx-lm builds and
+batches the caches itself, outside ``observe_queries``) and are refused.
 """
 
 from __future__ import annotations
@@ -137,9 +137,14 @@ def _classes(served=None, max_body_bytes=None):
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             try:
                 super()._load(model_path, adapter_path, draft_model_path)
-                report = KVCacheBuilder.install(self.model, _CONFIG)
+                folder = (model_path if isinstance(model_path, str) and Path(model_path).is_dir()
+                          else None)
+                report = KVCacheBuilder.install(self.model, _CONFIG, tokenizer=self.tokenizer,
+                                                model_path=folder)
+                draft = None
                 if self.draft_model is not None:
-                    KVCacheBuilder.install(self.draft_model, _CONFIG)
+                    draft = KVCacheBuilder.install(self.draft_model, _CONFIG,
+                                                   tokenizer=self.tokenizer)
             except Exception as err:
                 self.reset()
                 cli = self.cli_args
@@ -149,6 +154,8 @@ def _classes(served=None, max_body_bytes=None):
                 logging.warning(f"qfilters-mlx: loading a requested model failed: {err!r}")
                 raise ValueError("the requested model could not be loaded") from None
             logging.info(f"qfilters-mlx: {report.summary()}")
+            if draft is not None:
+                logging.info(f"qfilters-mlx: draft model: {draft.summary()}")
             self.is_batchable = self.draft_model is None and all(
                 hasattr(c, "merge") for c in make_prompt_cache(self.model))
             if self.served is not None:
@@ -180,13 +187,9 @@ def _config(parser, args):
     if args.method == "qfilters" and args.filters is None:
         if args.filter_source == "queries" or args.sign == "auto":
             parser.error("--filter-source queries and --sign auto estimate the filter from observed "
-                         "queries, which mlx_lm.server's own batching cannot deliver: use "
-                         "--filter-source keys (the server's default) or --filters FILE from "
-                         "`qfilters-mlx calibrate`")
-        if args.filter_source is None:
-            args.filter_source = "keys"
-            print("qfilters-mlx server: --filter-source keys (the query filter needs observed "
-                  "queries, which mlx_lm.server's batching does not deliver)", file=sys.stderr)
+                         "queries, which mlx_lm.server's own batching cannot deliver: use the "
+                         "default (the calibrated query filter), --filters FILE from "
+                         "`qfilters-mlx calibrate`, or --filter-source keys")
     warn_ignored(parser, args)
     config = config_from_args(parser, args)
     return config, describe_config(config)
