@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = Path(qfilters_mlx.__file__).resolve().parent
 # installed (a wheel, `pip install .`) or a source tree on PYTHONPATH (python/ holds the .pth too)
 INSTALLED = str(PACKAGE_DIR.parent) in {str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("purelib", "platlib")}
+# an installed copy of the package (e.g. an earlier `pip install .`) puts the hook in site-packages
+HOOK_IN_ENVIRONMENT = any((Path(sysconfig.get_paths()[k]) / "qfilters_mlx.pth").exists()
+                          for k in ("purelib", "platlib"))
 QUESTION = "Which number?"
 MAX_TOKENS = "5"
 
@@ -91,7 +94,9 @@ def test_mlx_lm_generate_reads_a_cache_prompt_file_in_a_fresh_process(tmp_path, 
     assert (answer, prompt_tokens) == (ref_answer, ref_prompt_tokens)
     assert prompt_tokens < caches[0].tokens_seen  # only the new turn was fed
 
-    if not INSTALLED:  # the control: without the startup hook mlx-lm cannot resolve our class
+    # The control: without the startup hook mlx-lm cannot resolve our class (only possible from a
+    # source tree whose environment has no installed copy of the hook).
+    if not INSTALLED and not HOOK_IN_ENVIRONMENT:
         control = _mlx_lm_generate(cache_file, tmp_path, with_hook=False)
         assert control.returncode != 0 and "KeyError: 'QFiltersKVCache'" in control.stderr, control.stderr[-3000:]
 
