@@ -188,7 +188,7 @@ def test_walks_the_whole_package(tree):
     assert {"qfilters_mlx", "qfilters_mlx.config", "qfilters_mlx.cache.kv_cache",
             "qfilters_mlx.evaluation.run", "qfilters_mlx.commands.cli"} <= set(tree)
     graph = import_graph(tree)
-    assert "qfilters_mlx.backends.reference" in graph["qfilters_mlx.cache.kv_cache"]
+    assert "qfilters_mlx.backends.reference" in graph["qfilters_mlx.cache.calibration"]
     assert sum(map(len, graph.values())) > 30
 
 

@@ -30,7 +30,8 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests"
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it
     "/tmp/qfilters-mutation": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                              "--modules backends/reference.py cache/scorers.py cache/kv_cache.py",
+                              "--modules backends/reference.py cache/scorers.py cache/kv_cache.py "
+                              "cache/calibration.py",
     "/tmp/qfilters-mutation-mixins": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
                                      "--workdir /tmp/qfilters-mutation-mixins "
                                      "--modules cache/slots.py cache/persistence.py cache/rewind.py "

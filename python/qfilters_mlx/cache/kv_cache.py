@@ -5,7 +5,7 @@ Data flow of one ``update_and_fetch(keys, values)`` call (DESIGN.md):
 1. validate (before touching state);
 2. if the Q-Filter does not exist yet and ``tokens_seen + L >= calib_tokens``,
    estimate it from exactly the first ``calib_tokens`` keys ever seen, freeze
-   it, and score every stored token;
+   it, and score every stored token (:mod:`.calibration`);
 3. score the new tokens once (``sign * <k, u>``, float32); scores never change;
 4. return ``stored ++ new``: every token of this call is visible to this call's
    queries;
@@ -20,7 +20,8 @@ a fixed set of keys; selection is a pure function of scores and tokens fed).
 Single-token calls after an eviction run in *slot mode* (:mod:`.slots`);
 ``trim`` rewinds exactly within ``qfilters_max_rewind`` tokens (:mod:`.rewind`,
 :mod:`.journal`); ``state``, copies and ``to_quantized`` in :mod:`.persistence`; bytes in :mod:`.accounting`;
-input checks in :mod:`.validation`; compress-once mode (``qfilters_mode``: keep every
+input checks in :mod:`.validation`; filter calibration and ``observe_queries`` in
+:mod:`.calibration`; compress-once mode (``qfilters_mode``: keep every
 token until one compression, then append) in :mod:`.compression`; quantized storage
 (``kv_bits``) in :mod:`.quantized`.
 """
@@ -33,9 +34,9 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
-from qfilters_mlx.backends import reference
 from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.accounting import FILTER_BYTES_PER_ELEMENT, ByteAccountingMixin
+from qfilters_mlx.cache.calibration import CalibrationMixin
 from qfilters_mlx.cache.compression import CompressionMixin
 from qfilters_mlx.cache.journal import CallRecord, RewindJournal, dropped_rows
 from qfilters_mlx.cache.persistence import PersistenceMixin
@@ -49,7 +50,7 @@ from qfilters_mlx.config import KVCacheConfig
 __all__ = ["FILTER_BYTES_PER_ELEMENT", "QFiltersKVCache", "QuantizedQFiltersKVCache"]
 
 
-class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
+class QFiltersKVCache(ValidationMixin, CalibrationMixin, CompressionMixin, SlotModeMixin, RewindMixin, PersistenceMixin, ByteAccountingMixin, _BaseCache):
     """Eviction KV cache for one attention layer.
 
     Args:
@@ -126,24 +127,6 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         :meth:`KVCacheConfig.layer_recent`)."""
         return self.config.layer_recent(self.layer_idx)
 
-    @property
-    def _needs_filter(self) -> bool:
-        return self.method == "qfilters" and not self.filter_fixed
-
-    @property
-    def _calibrates_from_queries(self) -> bool:
-        return self._needs_filter and self.config.needs_queries
-
-    @property
-    def needs_queries(self) -> bool:
-        """Whether the cache still waits for queries (query-based filter not estimated yet)."""
-        return self._calibrates_from_queries and self.filter is None
-
-    @property
-    def scoring_ready(self) -> bool:
-        """Whether new tokens can be scored (the filter exists, or none is needed)."""
-        return not self._needs_filter or self.filter is not None
-
     def _append(self, keys, values) -> None:
         """Write the new rows after the live ones, growing buffers in ``step`` blocks; a cache
         evicting to a fixed budget grows to at most ``max(n + L, budget + 1)`` rows."""
@@ -194,25 +177,6 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
             c.method, keys, positions, filters=self.filter, sign=c.score_sign,
             seed=c.qfilters_seed, layer=self.layer_idx, backend=self.backend,
         )
-
-    def _calibrate(self) -> None:
-        """Freeze the filter from exactly the first ``calib_tokens`` keys (and, for
-        query-based configs, queries); score all live rows.
-
-        Called only before any eviction, when rows ``[0, calib_tokens)`` are the
-        first ``calib_tokens`` tokens ever fed.
-        """
-        cfg = self.config
-        c = cfg.qfilters_calib_tokens
-        if cfg.qfilters_filter_source == "queries":
-            f = reference.estimate_filter_from_queries(self._queries[:, :, :c], self.keys.shape[1])
-        else:
-            f = reference.estimate_filter_from_keys(self.keys[:, :, :c])
-            if cfg.qfilters_sign == "auto":
-                f = f * reference.query_orientation(f, self._queries[:, :, :c])[:, None]
-        self.filter = f  # (queries are kept until the first eviction: trim may undo this)
-        n = self._n
-        self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
 
     def _evict(self) -> None:
         n = self._n
@@ -300,43 +264,6 @@ class QFiltersKVCache(ValidationMixin, CompressionMixin, SlotModeMixin, RewindMi
         # schedule them so their graphs never grow across decode steps.
         mx.async_eval(self.positions, self.scores)
         return out
-
-    def observe_queries(self, queries: mx.array) -> None:
-        """Receive this call's post-RoPE queries ``[B, H_q, L, D]`` (from ``observe_queries``).
-
-        Called after ``update_and_fetch`` of the same call (attention runs after
-        the cache returns keys). Keeps the first ``calib_tokens`` queries; once
-        they are all there, freezes the filter, scores the stored tokens and
-        evicts down to the budget, exactly as a key-based cache does at the end
-        of the call that crosses ``calib_tokens``.
-
-        Raises:
-            ValueError: ``queries`` not a 4-D array, no update before it, or a shape that
-                does not fit the cache (the message names both), before anything changes.
-        """
-        if not self.needs_queries:
-            self._queries_pending = False
-            return
-        if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
-            raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
-        B, H, D = self._input_layout()[:3]
-        if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != D
-                or queries.shape[2] > self.offset):
-            raise ValueError(f"queries {tuple(queries.shape)} do not fit the cache "
-                             f"(B={B}, H_kv={H}, D={D}, offset={self.offset})")
-        self._queries_pending = False
-        self._note_observed(queries)
-        c = self.config.qfilters_calib_tokens
-        have = 0 if self._queries is None else self._queries.shape[2]
-        need = min(c, self.offset) - have
-        if need > 0:
-            new = queries[:, :, :need]  # this call's rows start at token `have`
-            self._queries = new if self._queries is None else mx.concatenate([self._queries, new], axis=2)
-        if self._queries is not None and self._queries.shape[2] >= c:
-            self._calibrate()
-            if self._n > self._budget_now():
-                self._evict()
-            mx.async_eval(self.positions, self.scores)
 
     def size(self) -> int:
         """Number of tokens stored per (batch row, KV head)."""
