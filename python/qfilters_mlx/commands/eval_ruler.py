@@ -170,9 +170,15 @@ def run(parser, args, blas_library: str | None = None) -> int:
     from qfilters_mlx.evaluation.ruler.runner import run_ruler
     from qfilters_mlx.evaluation.ruler.tasks import Sources, quick_tasks
 
+    import mlx.core as mx
+
     model, tokenizer = load(str(model_path))
+    # Each compressed row allocates and frees a full-context cache: keep at most 1 GiB of freed
+    # buffers for reuse instead of MLX's default (its memory limit).
+    mx.set_cache_limit(1 << 30)
     calibrated, filters_meta = None, {}
-    if "qfilters" in settings.compress_arms + settings.streaming_arms:
+    streaming = settings.streaming_arms if "streaming" in settings.protocols else ()
+    if "qfilters" in settings.compress_arms + streaming:
         if args.filters is None:
             parser.error("the 'qfilters' arm needs --filters FILE (write one with `qfilters-mlx calibrate "
                          "--out FILE`), or leave the arm out with --arms / --streaming-arms")

@@ -17,6 +17,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from qfilters_mlx.evaluation.ruler.tasks import TASKS
+
 __all__ = ["N_BOOT", "bootstrap_average", "leaderboard"]
 
 N_BOOT = 2000
@@ -74,15 +76,17 @@ def leaderboard(records: list[dict], meta: dict | None = None,
             by[(r["length"], key)][r["task"]][r["index"]] = 100.0 * score
         seconds[r["length"]] += r["seconds"].get("total", 0.0)
     model = meta.get("model", "")
+    order = {t: i for i, t in enumerate(TASKS)}
+    tsort = lambda items: sorted(items, key=lambda kv: (order.get(kv[0], len(order)), kv[0]))  # noqa: E731
     rows = []
     for (length, key), tasks in sorted(by.items(), key=lambda kv: (kv[0][0], _split(kv[0][1]))):
         protocol, arm, ratio = _split(key)
-        per_task = [np.array(list(v.values())) for _, v in sorted(tasks.items())]
+        per_task = [np.array(list(v.values())) for _, v in tsort(tasks.items())]
         avg, low, high = bootstrap_average(per_task)
         rows.append({"dataset": "ruler", "data_dir": str(length), "model": model, "method": arm,
                      "protocol": protocol, "compression_ratio": ratio,
-                     "scores": {t: float(np.mean(list(v.values()))) for t, v in sorted(tasks.items())},
-                     "n_samples": {t: len(v) for t, v in sorted(tasks.items())},
+                     "scores": {t: float(np.mean(list(v.values()))) for t, v in tsort(tasks.items())},
+                     "n_samples": {t: len(v) for t, v in tsort(tasks.items())},
                      "average": avg, "average_ci95": [low, high]})
     paired = []
     keys = {(length, key) for length, key in by}

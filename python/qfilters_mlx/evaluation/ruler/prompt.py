@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from qfilters_mlx.evaluation.ruler.tasks import Sample
+from qfilters_mlx.evaluation.ruler.tasks import Sample, TooFewUnits
 
 __all__ = ["fit", "sample_tokens"]
 
@@ -40,17 +40,24 @@ def fit(build: Callable[[int], Sample], tokenizer, length: int) -> tuple[Sample,
     (doubling, then bisection).
 
     Raises:
-        ValueError: not even ``n = 0`` fits.
+        ValueError: not even the smallest haystack fits.
     """
     def tokens(n: int) -> tuple[Sample, int]:
         s = build(n)
         c, q = sample_tokens(tokenizer, s)
         return s, len(c) + len(q) + s.max_new_tokens
 
-    s0, t0 = tokens(0)
+    lo = 0
+    while True:  # the smallest size (a power of two) at which the task has its answer
+        try:
+            s0, t0 = tokens(lo)
+            break
+        except TooFewUnits:
+            lo = max(1, 2 * lo)
     if t0 > length:
-        raise ValueError(f"{s0.task}: {t0} tokens without any haystack exceed the length {length}")
-    lo, hi = 0, 1
+        raise ValueError(f"{s0.task}: {t0} tokens with the smallest haystack ({lo} units) exceed the "
+                         f"length {length}")
+    hi = max(1, 2 * lo)
     while tokens(hi)[1] <= length:
         lo, hi = hi, hi * 2
     while hi - lo > 1:

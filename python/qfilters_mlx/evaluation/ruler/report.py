@@ -40,13 +40,14 @@ def markdown(board: dict, conclusion: str = "") -> str:
         n = sub[0]["n_samples"]
         lines += [f"## {length} tokens", "",
                   f"Samples per task: {', '.join(f'{t} {k}' for t, k in n.items())}; compute "
-                  f"{secs.get(length, 0) / 60:.1f} min (sum over samples).", ""]
+                  f"{secs.get(length, 0) / 60:.1f} min (sum over samples, wall clock).", "",
+                  "Average score [95% interval] by compression ratio:", ""]
         ratios = sorted({r["compression_ratio"] for r in sub if r["method"] != "full"})
         full = next((r for r in sub if r["method"] == "full"), None)
-        lines += ["| protocol | method | " + " | ".join(f"{x:g}" for x in ratios) + " |",
-                  "|---|---|" + "---|" * len(ratios)]
+        lines += ["| protocol | method | none (full cache) | " + " | ".join(f"{x:g}" for x in ratios) + " |",
+                  "|---|---|---|" + "---|" * len(ratios)]
         if full:
-            lines.append("| both | full | " + " | ".join([_ci(full)] * len(ratios)) + " |")
+            lines.append("| both | full | " + _ci(full) + " |" + " |" * len(ratios))
         for proto in ("compress_once", "streaming"):
             for m in dict.fromkeys(r["method"] for r in sub if r["protocol"] == proto):
                 cells = []
@@ -54,7 +55,7 @@ def markdown(board: dict, conclusion: str = "") -> str:
                     r = next((r for r in sub if r["protocol"] == proto and r["method"] == m
                               and r["compression_ratio"] == x), None)
                     cells.append(_ci(r) if r else "")
-                lines.append(f"| {proto} | {m} | " + " | ".join(cells) + " |")
+                lines.append(f"| {proto} | {m} | | " + " | ".join(cells) + " |")
         tasks = list(n)
         lines += ["", "Per task:", "", "| protocol | method | ratio | " + " | ".join(tasks) + " | average |",
                   "|---|---|---|" + "---|" * (len(tasks) + 1)]

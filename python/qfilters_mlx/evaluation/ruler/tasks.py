@@ -32,7 +32,11 @@ import numpy as np
 
 from qfilters_mlx.evaluation.ruler.haystack import NOISE, key_words, random_number, random_uuid, word_list
 
-__all__ = ["Sample", "Sources", "TASKS", "quick_tasks"]
+__all__ = ["Sample", "Sources", "TASKS", "TooFewUnits", "quick_tasks"]
+
+
+class TooFewUnits(ValueError):
+    """The haystack size is too small for the task to have its answer (``fit`` grows it)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +198,11 @@ def frequent_words(sources: Sources, seed: str, n: int, *, task: str = "fwe", al
     """RULER's ``freq_words_extraction.py``: ``vocab_size`` random ``word_len``-letter coded
     words ranked by a seeded shuffle, rank ``k`` (1-based) repeated
     ``int(n * k**-alpha / zeta(alpha))`` times, shuffled; rank 1 is the noise word ``...``,
-    the answer is ranks 2 to 4."""
+    the answer is ranks 2 to 4.
+
+    Raises:
+        TooFewUnits: ``n`` too small for ranks 2 to 5 to have distinct counts.
+    """
     from scipy.special import zeta
 
     rng = random.Random(seed)
@@ -206,6 +214,8 @@ def frequent_words(sources: Sources, seed: str, n: int, *, task: str = "fwe", al
     words[0] = "..."
     k = np.arange(1, vocab_size + 1)
     counts = (n * k ** -alpha / zeta(alpha)).astype(int)
+    if not (counts[1] > counts[2] > counts[3] > counts[4]):
+        raise TooFewUnits(f"{task}: {n} words do not rank the three answers apart")
     text = [w for w, c in zip(words, counts) for _ in range(c)]
     random.Random(f"{seed}-{n}").shuffle(text)
     return Sample(task, FWE_CONTEXT.format(context=" ".join(text)), FWE_QUESTION, FWE_PREFIX,
