@@ -159,6 +159,9 @@ def test_bootstrap_average_point_and_interval():
     assert avg == pytest.approx((200 / 3 + 50) / 2)
     assert lo <= avg <= hi and lo >= 25 and hi <= 75
     assert bootstrap_average([np.array([40.0] * 4)]) == (40.0, 40.0, 40.0)
+    # one sample per task: the pooled samples are resampled (a spread remains)
+    avg, lo, hi = bootstrap_average([np.array([0.0]), np.array([100.0]), np.array([100.0])])
+    assert avg == pytest.approx(200 / 3) and lo < avg < hi
     d = bootstrap_average([np.array([[10.0, 20.0], [10.0, 20.0]])])
     assert d == (0.0, 0.0, 0.0)
 

@@ -137,6 +137,19 @@ def _write_report(prefix: Path, records: list[dict], meta: dict) -> None:
     plt.close(fig)
 
 
+def _meta(model_name: str, command: str, filters: str | None, filters_meta: dict) -> dict:
+    from qfilters_mlx.evaluation.ruler.haystack import HAYSTACK_OFFSET
+
+    return {
+        "model": model_name, "command": command,
+        "haystack": (f"CPython {'.'.join(map(str, sys.version_info[:3]))} pydoc_data.topics (values joined in "
+                     f"sorted key order), sentences from the first paragraph after character {HAYSTACK_OFFSET} "
+                     "to the end; disjoint from the perplexity, retrieval and calibration text"),
+        "filters": {"file": filters, "calibration_text": filters_meta.get("calibration_text"),
+                    "calibration_tokens": filters_meta.get("calibration_tokens")} if filters else None,
+    }
+
+
 def _command(argv_args) -> str:
     return " ".join(shlex.quote(a) for a in ["qfilters-mlx", "eval", "ruler", *argv_args])
 
@@ -156,7 +169,14 @@ def run(parser, args, blas_library: str | None = None) -> int:
         if not records:
             parser.error(f"--report-only: no samples in {store.folder}")
         old = json.loads(prefix.with_suffix(".json").read_text()) if prefix.with_suffix(".json").exists() else {}
-        _write_report(prefix, records, old.get("meta", {}))
+        meta = old.get("meta") or {}
+        if not meta:  # (a run that never reached its end wrote no leaderboard yet)
+            import mlx.core as mx
+
+            fmeta = mx.load(args.filters, return_metadata=True)[1] if args.filters else {}
+            name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct-f32"
+            meta = _meta(name, command.replace(" --report-only", ""), args.filters, fmeta)
+        _write_report(prefix, records, meta)
         print(prefix.with_suffix(".md").read_text())
         return 0
 
@@ -166,7 +186,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     from mlx_lm import load
 
     from qfilters_mlx.assets.prompts import source_text
-    from qfilters_mlx.evaluation.ruler.haystack import HAYSTACK_OFFSET, essay_sentences
+    from qfilters_mlx.evaluation.ruler.haystack import essay_sentences
     from qfilters_mlx.evaluation.ruler.runner import run_ruler
     from qfilters_mlx.evaluation.ruler.tasks import Sources, quick_tasks
 
@@ -194,14 +214,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
         parser.error(str(err))
     sources = Sources(tuple(essay_sentences(text)))
     tasks = quick_tasks() if args.quick else None
-    meta = {
-        "model": model_path.name, "command": command,
-        "haystack": (f"CPython {'.'.join(map(str, sys.version_info[:3]))} pydoc_data.topics (values joined in "
-                     f"sorted key order), sentences from the first paragraph after character {HAYSTACK_OFFSET} "
-                     "to the end; disjoint from the perplexity, retrieval and calibration text"),
-        "filters": {"file": args.filters, "calibration_text": filters_meta.get("calibration_text"),
-                    "calibration_tokens": filters_meta.get("calibration_tokens")} if args.filters else None,
-    }
+    meta = _meta(model_path.name, command, args.filters, filters_meta)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm

@@ -8,7 +8,9 @@ RULER folders ``"4096"``), ``model``, ``method`` (the arm; ``full`` is kvpress's
 
 The interval is a stratified percentile bootstrap over samples: each task's samples are
 drawn with replacement (its own count), the task means averaged; ``n_boot`` resamples,
-seeded. Differences between two methods (``paired``) resample the same samples for both.
+seeded. While some task has a single sample (which has no spread of its own) the samples
+of all tasks are resampled as one pool instead (the mean of the pooled samples). Differences
+between two methods (``paired``) resample the same samples for both.
 """
 
 from __future__ import annotations
@@ -38,18 +40,19 @@ def bootstrap_average(per_task: list[np.ndarray], n_boot: int = N_BOOT, seed: in
     if not per_task or any(np.asarray(x).shape[-1] == 0 for x in per_task):
         raise ValueError("every task needs at least one sample")
     rng = np.random.default_rng(seed)
-    boots, point = [], []
+    xs = []
     for x in per_task:
         x = np.asarray(x, np.float64)
-        if x.ndim == 2:
-            x = x[0] - x[1]
-        idx = rng.integers(0, len(x), size=(n_boot, len(x)))
-        boots.append(x[idx].mean(axis=1))
-        point.append(x.mean())
-    avg = np.mean(boots, axis=0)
+        xs.append(x[0] - x[1] if x.ndim == 2 else x)
+    point = float(np.mean([x.mean() for x in xs]))
     a = (1 - level) / 2
+    if min(len(x) for x in xs) >= 2:  # stratified: each task's samples, its own count
+        avg = np.mean([x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1) for x in xs], axis=0)
+    else:  # a task with one sample has no spread of its own: resample the pooled samples
+        pooled = np.concatenate(xs)
+        avg = pooled[rng.integers(0, len(pooled), size=(n_boot, len(pooled)))].mean(axis=1)
     low, high = np.quantile(avg, [a, 1 - a])
-    return float(np.mean(point)), float(low), float(high)
+    return point, float(low), float(high)
 
 
 def _split(key: str) -> tuple[str, str, float]:
@@ -107,6 +110,6 @@ def leaderboard(records: list[dict], meta: dict | None = None,
                     paired.append({"data_dir": str(length), "protocol": protocol, "compression_ratio": ratio,
                                    "a": a, "b": b, "difference": d, "ci95": [low, high]})
     meta["compute_seconds"] = {str(k): v for k, v in sorted(seconds.items())}
-    meta["bootstrap"] = (f"stratified percentile bootstrap over samples within each task, {N_BOOT} "
-                         "resamples, seed 0")
+    meta["bootstrap"] = (f"percentile bootstrap over samples, {N_BOOT} resamples, seed 0: stratified by "
+                         "task when every task has two samples or more, else over the pooled samples")
     return {"meta": meta, "rows": rows, "paired": paired}
