@@ -300,3 +300,36 @@ def test_cli_refuses_the_qfilters_arm_without_filters(tmp_path, capsys):
             pytest.raises(SystemExit) as e:
         main(["eval", "ruler", "--quick", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "r")])
     assert e.value.code == 2 and "needs --filters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arm, method", [("streaming_llm", "streaming_llm"), ("knorm", "l2norm")])
+def test_streaming_arm_answers_as_the_library_streaming_cache(arm, method):
+    """A streaming row equals the library's streaming caches at budget
+    int((1 - ratio) * context tokens), fed the prompt in the run's chunks. (One arm per run:
+    rows batched together agree up to float rounding, which a random tiny model can turn into
+    another greedy token; the batching itself is checked in test_evaluation.)"""
+    from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+    from qfilters_mlx.config import KVCacheConfig
+
+    model, tok = tiny_model(), ByteTokenizer()
+    s = RulerSettings(lengths=(700,), samples=1, tasks=("niah_single_1",), ratios=(0.5,), chunk=64,
+                      calib_tokens=16, protocols=("streaming",), compress_arms=(), streaming_arms=(arm,))
+    recs = {}
+    run_ruler(model, tok, SOURCES, s, tasks=quick_tasks(), save=lambda k, r: recs.__setitem__(k, r))
+    rec = recs["700/niah_single_1/0"]
+    c, q = sample_tokens(tok, _sample(tok, rec))
+    prompt = c + q
+    cfg = KVCacheConfig(method=method, qfilters_budget=int(0.5 * len(c)), qfilters_sign=1,
+                        qfilters_filter_source="keys")
+    caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(2)]
+    for i in range(0, len(prompt), 64):
+        logits = model(mx.array(prompt[i:i + 64])[None], cache=caches)[0, -1]
+    ids = []
+    for _ in range(rec["max_new_tokens"]):
+        t = int(mx.argmax(logits).item())
+        if t == EOS:
+            break
+        ids.append(t)
+        logits = model(mx.array([[t]]), cache=caches)[0, -1]
+    assert rec["answers"][f"streaming/{arm}@0.5"] == tok.decode(ids)
+    assert rec["kept"][f"streaming/{arm}@0.5"] == int(0.5 * len(c))
