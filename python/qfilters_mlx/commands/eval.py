@@ -71,6 +71,12 @@ def add_parser(sub) -> None:
                          "query-filter and auto-sign arms always run)")
 
 
+    from qfilters_mlx.commands import eval_ruler
+
+    eval_ruler.add_parser(ev.add_subparsers(dest="suite", metavar="SUITE",
+                                            help="'ruler': RULER's synthetic tasks (qfilters-mlx eval ruler -h)"))
+
+
 DEFAULT_SEGMENT_ARMS = "streaming_llm,qfilters-calibrated@r1/2,qfilters-perhead"
 
 
