@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 
-import mlx_lm.models.cache as mlx_cache
-
 __all__ = ["BatchStorageMixin"]
 
 _META = 6  # index of the JSON meta in a row's state (7 entries; 8 with kv_bits: + fp_keys)
@@ -75,9 +73,13 @@ class BatchStorageMixin:
 def _row_class(meta: str) -> tuple:
     """``(class, state entries)`` of a saved row from its meta: quantized storage (8 entries)
     when its config has ``kv_bits``, else 7 (classes resolved in mlx-lm's cache module, where
-    ``qfilters_mlx.cache.kv_cache`` registers both)."""
+    ``qfilters_mlx.cache.kv_cache`` registers both; imported here, not at module level: the
+    startup hook registers our classes while ``mlx_lm.models.cache`` is first imported, which
+    would re-enter this module half-initialized)."""
     try:
         quantized = json.loads(meta)["config"].get("kv_bits") is not None
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"state: bad row meta ({err})") from err
+    import mlx_lm.models.cache as mlx_cache
+
     return (mlx_cache.QuantizedQFiltersKVCache, 8) if quantized else (mlx_cache.QFiltersKVCache, 7)
