@@ -1,5 +1,5 @@
 """Watching one model's queries never changes another thread's or another model's
-forward pass, even of the same class (CASES 20).
+forward pass, even of the same class.
 
 Thread A feeds a model inside ``observe_queries`` (query-derived filter); thread B
 runs another model of the same class, unwatched, at the same time. B's logits must

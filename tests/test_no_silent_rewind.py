@@ -1,4 +1,4 @@
-"""No silent rewind, atomic batch operations, combined features (CASES 12, 18, 19, 21).
+"""No silent rewind, atomic batch operations, combined features.
 
 mlx-lm trims a cache only through ``trim_prompt_cache``, which asks ``is_trimmable()``
 first and silently skips a cache that says False; its speculative decoding asks once,
@@ -48,7 +48,7 @@ def spec(caches, n_draft=3, prompt=None, max_tokens=20):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_speculative_decoding_with_a_cache_that_cannot_rewind_is_refused_before_the_prompt(kind):
-    """CASES 12 with the default config: mlx-lm's start check refuses (main: the run went on
+    """Rejected drafts after an eviction, with the default config: mlx-lm's start check refuses (main: the run went on
     with rejected drafts in the cache, offset 116 against a plain cache's 59)."""
     config = KVCacheConfig(**{**BASE, **KINDS[kind]})
     caches = KVCacheBuilder.for_model(MAIN, config) + make_prompt_cache(DRAFT)
@@ -127,7 +127,7 @@ def test_server_prompt_cache_never_trims_what_it_cannot_and_never_raises():
     np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
-# ------------------------------------------------------------------ batch caches (CASES 18)
+# ------------------------------------------------------------------ batch caches
 def _row(config, n, seed):
     k, v = rand_kv(seed, T=n)
     c = QFiltersKVCache(config)

@@ -200,6 +200,18 @@ def _sample(tok, rec):
     return fit(lambda m: quick_tasks()[rec["task"]](SOURCES, rec["seed"], m), tok, rec["length"])[0]
 
 
+def _greedy(model, logits, caches, max_new_tokens: int) -> list[int]:
+    """Greedy token ids from ``logits`` on, one token per forward pass, stopping at EOS."""
+    ids = []
+    for _ in range(max_new_tokens):
+        t = int(mx.argmax(logits).item())
+        if t == EOS:
+            break
+        ids.append(t)
+        logits = model(mx.array([[t]]), cache=caches)[0, -1]
+    return ids
+
+
 def _greedy_mlx_lm(model, prompt, n):
     ids = []
     for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)):
@@ -248,13 +260,7 @@ def test_compressed_arm_answers_as_the_library_compress_once_cache(tiny_run, arm
             model(mx.array(c[i:i + 64])[None], cache=caches)
         assert compress_caches(caches) == [int(len(c) * 0.5)] * 2
         logits = model(mx.array(q)[None], cache=caches)[0, -1]
-        ids = []
-        for _ in range(rec["max_new_tokens"]):
-            t = int(mx.argmax(logits).item())
-            if t == EOS:
-                break
-            ids.append(t)
-            logits = model(mx.array([[t]]), cache=caches)[0, -1]
+        ids = _greedy(model, logits, caches, rec["max_new_tokens"])
         assert rec["answers"][f"compress_once/{arm}@0.5"] == tok.decode(ids), rec["task"]
 
 
@@ -324,12 +330,6 @@ def test_streaming_arm_answers_as_the_library_streaming_cache(arm, method):
     caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(2)]
     for i in range(0, len(prompt), 64):
         logits = model(mx.array(prompt[i:i + 64])[None], cache=caches)[0, -1]
-    ids = []
-    for _ in range(rec["max_new_tokens"]):
-        t = int(mx.argmax(logits).item())
-        if t == EOS:
-            break
-        ids.append(t)
-        logits = model(mx.array([[t]]), cache=caches)[0, -1]
+    ids = _greedy(model, logits, caches, rec["max_new_tokens"])
     assert rec["answers"][f"streaming/{arm}@0.5"] == tok.decode(ids)
     assert rec["kept"][f"streaming/{arm}@0.5"] == int(0.5 * len(c))
