@@ -66,8 +66,13 @@ def test_mlx_lm_generate_with_the_default_config_holds_the_budget(folder):
 
     model, tokenizer = mlx_lm.load(str(folder))
     report = KVCacheBuilder.install(model, KVCacheConfig(qfilters_budget=64))
-    text = mlx_lm.generate(model, tokenizer, prompt=PROMPT, max_tokens=8)
-    assert isinstance(text, str) and "calibrated query filter" in report.summary()
+    built, make = [], model.make_cache
+    model.make_cache = lambda *a, **k: built.append(make(*a, **k)) or built[-1]
+    mlx_lm.generate(model, tokenizer, prompt=PROMPT, max_tokens=8)
+    assert "calibrated query filter" in report.summary() and len(built) == 1
+    n_prompt = len(tokenizer.encode(PROMPT))
+    for c in built[0]:  # the caches mlx_lm.generate itself used
+        assert c.filter is not None and c.size() == 64 and n_prompt < c.offset <= n_prompt + 8
     caches = model.make_cache()
     model(mx.array([tokenizer.encode(PROMPT)]), cache=caches)
     assert all(c.size() == 64 and c.offset == len(PROMPT) for c in caches)
@@ -153,6 +158,22 @@ def test_an_unwritable_cache_still_builds_and_says_it_was_not_stored(folder, tmp
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=32))
     assert "not stored" in capsys.readouterr().err and "not stored" in caches.report.filters
     assert all(c.filter is not None for c in caches)
+
+
+def test_a_failed_write_still_builds_says_so_and_leaves_no_temporary_file(folder, empty_home,
+                                                                          monkeypatch, capsys):
+    import mlx_lm
+
+    def cannot_write(path, *_a, **_k):
+        open(path, "wb").close()  # as a write that fails half-way leaves its file behind
+        raise RuntimeError(f"[save_safetensors] Failed to open file {path}")
+
+    monkeypatch.setattr("qfilters_mlx.filters.calibration.save_filters", cannot_write)
+    model, _ = mlx_lm.load(str(folder))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=32))
+    assert "not stored" in capsys.readouterr().err and "not stored" in caches.report.filters
+    assert all(c.filter is not None for c in caches)
+    assert not [p for p in empty_home.rglob("*") if p.is_file()]  # no file, not even a temporary one
 
 
 def test_no_query_filter_to_be_had_says_so_and_names_the_command(folder, empty_home, monkeypatch,

@@ -1,7 +1,9 @@
-"""Importing the package builds, loads and compiles nothing (CASES 9)."""
+"""Importing the package builds, loads and compiles nothing."""
 
 import subprocess
 import sys
+
+import pytest
 
 
 def test_import_loads_no_kernel_and_no_mlx():
@@ -46,3 +48,13 @@ def test_every_module_importing_mlx_lm_imports_first_in_a_fresh_interpreter():
     for m in mods:
         res = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True)
         assert res.returncode == 0, f"import {m} first: {res.stderr[-800:]}"
+
+
+def test_a_failing_registration_warns_instead_of_breaking_mlx_lm(monkeypatch):
+    """The startup hook runs inside ``import mlx_lm.models.cache`` in every process of an
+    environment with the package installed: an import failure of ours must not propagate."""
+    from qfilters_mlx import prompt_cache_hook
+
+    monkeypatch.setattr(prompt_cache_hook, "OUR_MODULES", ("qfilters_mlx.no_such_module",))
+    with pytest.warns(RuntimeWarning, match="qfilters_mlx.no_such_module.*will not load"):
+        prompt_cache_hook._register()

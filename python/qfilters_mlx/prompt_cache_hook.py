@@ -29,8 +29,20 @@ MARKER = "_registers_qfilters_mlx_caches"
 
 
 def _register() -> None:
+    """Import our cache modules (they register their classes). A failure here must not break
+    ``import mlx_lm.models.cache`` for every mlx-lm command in the environment: it is reported
+    as a warning naming the package, and only our saved caches stay unreadable."""
     for name in OUR_MODULES:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - any import failure of ours, reported
+            import warnings
+
+            warnings.warn(f"qfilters-mlx: could not register its cache classes with mlx-lm "
+                          f"({name}: {type(err).__name__}: {err}); prompt-cache files written "
+                          "by qfilters-mlx will not load in this process", RuntimeWarning,
+                          stacklevel=2)
+            return
 
 
 class _RegisteringLoader(importlib.abc.Loader):

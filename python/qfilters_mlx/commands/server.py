@@ -142,9 +142,15 @@ def _classes(served=None, max_body_bytes=None):
                 report = KVCacheBuilder.install(self.model, _CONFIG, tokenizer=self.tokenizer,
                                                 model_path=folder)
                 draft = None
-                if self.draft_model is not None:
-                    draft = KVCacheBuilder.install(self.draft_model, _CONFIG,
-                                                   tokenizer=self.tokenizer)
+                if self.draft_model is not None:  # its own folder's tokenizer when it has one;
+                    # the served tokenizer only if the vocabularies agree (else its ids overrun)
+                    d = draft_model_path
+                    d_folder = d if isinstance(d, str) and Path(d).is_dir() else None
+                    same_vocab = (_vocab_size(self.draft_model, self.tokenizer)
+                                  == _vocab_size(self.model, self.tokenizer))
+                    draft = KVCacheBuilder.install(
+                        self.draft_model, _CONFIG, model_path=d_folder,
+                        tokenizer=None if d_folder or not same_vocab else self.tokenizer)
             except Exception as err:
                 self.reset()
                 cli = self.cli_args

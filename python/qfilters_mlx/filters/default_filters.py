@@ -117,12 +117,29 @@ def _found(model, model_id: str, model_path, text_possible: bool) -> ResolvedFil
         candidates.append((Path(model_path, FOLDER_FILENAME), "the model folder's"))
     if stored_path(model_id).is_file():
         candidates.append((stored_path(model_id), "found by model identity"))
+    if not _every_rank(model, bool(candidates)):
+        return None  # ranks on other machines lack the file: all of them calibrate together
     for path, how in candidates:
         filters, meta = load_filters(str(path), model)  # a file for another model raises
         if how != "the model folder's" and text_possible and meta.get("calibration_text") == TOKENIZER_FREE:
             continue
         return ResolvedFilters(filters, None, _describe_file(path, meta, how))
     return None
+
+
+def _every_rank(model, flag: bool) -> bool:
+    """``flag`` on every rank of the model's tensor-parallel group (one ``all_sum``), so that
+    ranks on different machines (each with its own cache folder) take the same path through the
+    collective operations of loading or calibrating; ``flag`` itself when not sharded."""
+    import mlx.core as mx
+
+    from qfilters_mlx.sharding import tensor_group
+
+    group = tensor_group(model)
+    if group is None:
+        return flag
+    total = mx.distributed.all_sum(mx.array(int(flag)), group=group, stream=mx.cpu)
+    return int(total.item()) == group.size()
 
 
 def _tokenizer(tokenizer, model_path):
@@ -198,8 +215,11 @@ def _store(model, filters, path: Path, **info) -> str | None:
         save_filters(str(tmp), filters, model, **info)
         if tmp.exists():  # (rank 0 only on a tensor-parallel model)
             os.replace(tmp, path)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # (mx.save_safetensors raises RuntimeError)
         return f"{type(err).__name__}: {err}"
+    finally:
+        if tmp.exists():  # (False, not an error, when the folder could not be made)
+            tmp.unlink()
     return None
 
 
