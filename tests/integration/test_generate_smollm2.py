@@ -216,8 +216,10 @@ def test_compare_table(model_path, short_prompt, capsys):
 
 def test_cache_prompt_then_generate_continues_exactly(model_path, model_and_tokenizer, tmp_path,
                                                       capsys):
-    """cache-prompt writes a file generate continues from; the answer equals one uninterrupted
-    run over the same tokens with the same cache configuration (greedy)."""
+    """cache-prompt writes a file generate continues from; the answer equals a run without the
+    file over the same calls (the prompt prefilled, then the follow-up fed to the same caches) with
+    the same cache configuration (greedy). One call over both parts would differ: a fixed filter
+    evicts at the end of the first call, so the follow-up sees only the kept tokens."""
     from qfilters_mlx import KVCacheBuilder, KVCacheConfig
     from qfilters_mlx.commands.cli import build_parser, main
     from qfilters_mlx.commands.generation import build_prompt
@@ -234,10 +236,16 @@ def test_cache_prompt_then_generate_continues_exactly(model_path, model_and_toke
 
     parser = build_parser()
     args = parser.parse_args(["generate"])
-    tokens = (build_prompt(parser, args, tokenizer, first, continue_final=True)
-              + build_prompt(parser, args, tokenizer, second, suffix_of_cached=True))
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=64))
-    want = tokenizer.decode(_greedy(model, tokenizer, tokens, caches, 12))
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    cached = build_prompt(parser, args, tokenizer, first, continue_final=True)
+    follow = build_prompt(parser, args, tokenizer, second, suffix_of_cached=True)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=64), tokenizer=tokenizer,
+                                      model_path=model_path)  # as the command line builds them
+    for _ in generate_step(mx.array(cached), model, max_tokens=0, prompt_cache=caches):
+        pass  # what cache-prompt does before saving
+    want = tokenizer.decode(_greedy(model, tokenizer, follow, caches, 12))
     assert got == want
     assert all(c.size() <= 64 + 1 for c in caches)
 
