@@ -97,7 +97,8 @@ def test_stored_short_conversations_hold_budget_plus_one_rows(server):
     """Conversations shorter than the budget: each stored cache holds ``budget + 1`` rows per
     layer (the buffer rule of ``QFiltersKVCache._append``), and the bytes reported are the caches'
     own ``nbytes`` sum: rows x (K + V row bytes + float32 score + int64 position) x layers,
-    plus the float32 filter once estimated (never here: fewer than 128 tokens)."""
+    plus each cache's float32 filter ``[H_kv, D]`` (the calibrated default has one from the
+    first token)."""
     for i in range(3):
         status, _ = post_json(server.port, TEXT, {"prompt": f"Count to {i + 3}:", "max_tokens": 3})
         assert status == 200
@@ -107,7 +108,8 @@ def test_stored_short_conversations_hold_budget_plus_one_rows(server):
     assert stored["rows_per_layer"] == stored["sequences"] * (BUDGET + 1), stored
     layers, kv_heads, head_dim = 30, 3, 64
     row_bytes = kv_heads * (2 * head_dim * 4 + 4 + 8)
-    assert stored["bytes"] == stored["rows_per_layer"] * row_bytes * layers, stored
+    filter_bytes = stored["sequences"] * layers * kv_heads * head_dim * 4
+    assert stored["bytes"] == stored["rows_per_layer"] * row_bytes * layers + filter_bytes, stored
 
 
 def test_a_filters_file_that_is_not_one_stops_the_start(model_path, tmp_path):
