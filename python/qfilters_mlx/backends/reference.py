@@ -72,9 +72,15 @@ def estimate_filter_from_keys(keys: mx.array) -> mx.array:
 
 def _top_singular_oriented(x: mx.array) -> mx.array:
     """``x [G, N, D]`` -> ``[G, D]`` unit top right-singular vectors oriented so that
-    the mean projection of the rows is >= 0 (ties: largest component positive)."""
+    the mean projection of the rows is >= 0 (ties: largest component positive).
+
+    For ``N > D`` the SVD is taken of ``R [G, D, D]`` from the QR factorisation
+    ``x = Q R``, which has the same right-singular vectors (``x = (Q U) S V^T``): MLX's
+    ``svd`` builds the full ``[N, N]`` left factor, ``O(N^2)`` memory and time per head
+    (2,048 queries: 2.3 s against 0.15 s per SmolLM2 layer; 16,384 did not fit)."""
     x = mx.where(mx.isfinite(x).all(axis=-1, keepdims=True), x, 0.0)
-    _, _, vt = mx.linalg.svd(x, stream=mx.cpu)
+    r = mx.linalg.qr(x, stream=mx.cpu)[1] if x.shape[1] > x.shape[2] else x
+    _, _, vt = mx.linalg.svd(r, stream=mx.cpu)
     u = vt[:, 0, :]
     u = u / mx.linalg.norm(u, axis=-1, keepdims=True)
     mean_proj = (x @ u[:, :, None]).squeeze(-1).mean(axis=-1)
