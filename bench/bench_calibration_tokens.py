@@ -6,7 +6,10 @@ Measured on SmolLM2-135M-Instruct (the project's real model):
   and reference filters from a larger sample: ``--reference-file`` (default
   ``bench/results/smollm2_filters.safetensors``, ``qfilters-mlx calibrate``'s default run: 4,096
   tokens of the same text in 1,024-token chunks), else ``--reference`` tokens captured here;
-  the prefixes are nested prefixes of one run (queries at positions ``< n`` of a causal model do
+  or, with ``--reference-disjoint N``, ``N`` tokens (16,384 by the results committed) of the
+  same source text from the first paragraph after character :data:`DISJOINT_OFFSET`, a span
+  that no calibration, evaluation segment, shipped prompt or RULER haystack uses (the
+  4,096-token file then is one more arm); the prefixes are nested prefixes of one run (queries at positions ``< n`` of a causal model do
   not depend on later tokens, so the prefix of one capture is exactly a calibration on ``n``
   tokens with the same chunking);
 * the same cosine for token ids had without a tokenizer: uniform random ids over the
@@ -18,7 +21,7 @@ Measured on SmolLM2-135M-Instruct (the project's real model):
 Calibration text: :func:`qfilters_mlx.assets.prompts.calibration_text` (disjoint from the
 evaluation text). Writes ``bench/results/calibration_tokens.json`` and ``.md``.
 
-    python bench/bench_calibration_tokens.py [--reference 8192] [--skip-ppl]
+    python bench/bench_calibration_tokens.py [--reference-disjoint 16384] [--skip-ppl]
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 PREFIXES = (64, 128, 256, 512, 1024, 2048, 4096)
 PPL_PREFIXES = (128, 256, 512, 1024, 2048)
+DISJOINT_OFFSET = 220_000
+"""Start of the disjoint reference span: after the shipped prompt (``SOURCE_OFFSET`` + two
+spans), before the calibration text (``CALIBRATION_OFFSET``)."""
 
 
 def capture_queries(model, chunks):
@@ -93,6 +99,9 @@ def main() -> None:
     ap.add_argument("--reference", type=int, default=8192,
                     help="tokens of the reference filters when --reference-file is ''")
     ap.add_argument("--reference-file", default=str(RESULTS / "smollm2_filters.safetensors"))
+    ap.add_argument("--reference-disjoint", type=int, default=0,
+                    help="reference filters from this many tokens of a disjoint span (the file "
+                         "becomes an arm)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens captured for the prefixes")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--other", type=int, default=512, help="tokens of the tokenizer-free arms")
@@ -118,15 +127,39 @@ def main() -> None:
     n_layers, n_kv, _ = model_dims(model)
     text, source = calibration_text()
     ref_meta = None
-    if args.reference_file:
+    file_arm = None
+    if args.reference_disjoint:
+        from qfilters_mlx.assets.prompts import CALIBRATION_OFFSET
+        from qfilters_mlx.filters.calibration import load_filters
+
+        full = source_text()
+        start = full.index("\n\n", DISJOINT_OFFSET) + 2
+        ref_ids = encode_quietly(tokenizer, full[start:CALIBRATION_OFFSET])[: args.reference_disjoint]
+        assert len(ref_ids) == args.reference_disjoint, f"the span has {len(ref_ids)} tokens"
+        ref_q, ref_seconds = capture_queries(model, [ref_ids[i:i + args.chunk]
+                                                     for i in range(0, len(ref_ids), args.chunk)])
+        ref = filters_from(ref_q, len(ref_ids), n_kv)
+        mx.eval(ref)
+        del ref_q
+        if args.reference_file:
+            file_ref, file_meta = load_filters(args.reference_file, model)
+            file_arm = (f"file {int(file_meta['calibration_tokens'])}", file_ref)
+        args.reference_file = ""
+        ref_source = f"pydoc_data.topics (sorted, joined) chars {start}.. (disjoint span)"
+    elif args.reference_file:
         from qfilters_mlx.filters.calibration import load_filters
 
         ref, ref_meta = load_filters(args.reference_file, model)
         assert ref_meta["calibration_text"] == source, "the reference is from another text"
-    ids = encode_quietly(tokenizer, text)[: args.tokens if ref_meta else args.reference]
+    nested = not (ref_meta or args.reference_disjoint)
+    ids = encode_quietly(tokenizer, text)[: args.reference if nested else args.tokens]
     results = {"model": "SmolLM2-135M-Instruct", "calibration_text": source, "chunk": args.chunk,
-               "reference_tokens": int(ref_meta["calibration_tokens"]) if ref_meta else len(ids),
-               "reference_file": args.reference_file or None}
+               "reference_tokens": (int(ref_meta["calibration_tokens"]) if ref_meta else
+                                    args.reference_disjoint or len(ids)),
+               "reference_file": args.reference_file or None,
+               "reference_text": ref_source if args.reference_disjoint else source}
+    if args.reference_disjoint:
+        results["reference_forward_seconds"] = ref_seconds
     out = Path(args.out)
 
     def save():
@@ -135,7 +168,7 @@ def main() -> None:
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
     queries, seconds = capture_queries(model, chunks)
     results["forward_seconds_per_chunk"] = seconds
-    if ref_meta is None:
+    if nested:
         ref = filters_from(queries, len(ids), n_kv)
     arms = {}
     for n in PREFIXES:
@@ -154,6 +187,8 @@ def main() -> None:
     for name, toks in others.items():
         q, _ = capture_queries(model, [toks])
         arms[name] = filters_from(q, len(toks), n_kv)
+    if file_arm is not None:
+        arms[file_arm[0]] = file_arm[1]
     results["cosine_to_reference"] = {k: cosines(f, ref) for k, f in arms.items()}
     save()
     print(json.dumps(results["cosine_to_reference"], indent=1), flush=True)
@@ -189,11 +224,14 @@ def main() -> None:
         k = f"reference {results['reference_tokens']}"
         lines.append(f"| {k} | 1 | 1 | 1 | 1.00 | {results['perplexity']['arms'][k]:.3f} |")
     head = (f"# Calibration tokens (SmolLM2-135M-Instruct)\n\nCosine per (layer, KV head) to filters "
-            f"from {results['reference_tokens']} tokens of {source} (chunks of {args.chunk}; "
-            f"{args.reference_file or 'captured here'}); perplexity: streaming, "
+            f"from {results['reference_tokens']} tokens of {results['reference_text']} (chunks of "
+            f"{args.chunk}; {args.reference_file or 'captured here'}); prefixes from {source}; perplexity: streaming, "
             f"budget {args.budget}, 4 sinks, recent {args.budget // 2}, {args.scored} scored tokens "
             f"of the evaluation text. Forward seconds per {args.chunk}-token chunk: "
-            f"{', '.join(f'{s:.1f}' for s in seconds)}.\n\n`python bench/bench_calibration_tokens.py`\n\n")
+            f"{', '.join(f'{s:.1f}' for s in seconds)}; filters (QR + SVD per layer) seconds: "
+            f"{json.dumps({k: round(v, 3) for k, v in results['svd_seconds'].items()})}.\n\n"
+            f"`python bench/bench_calibration_tokens.py"
+            f"{f' --reference-disjoint {args.reference_disjoint}' if args.reference_disjoint else ''}`\n\n")
     out.with_suffix(".md").write_text(head + "\n".join(lines) + "\n")
     print(out.with_suffix(".md").read_text())
 
