@@ -1,4 +1,4 @@
-"""Eviction and quantized storage together (issue 19): streaming perplexity and KV bytes.
+"""Eviction and quantized storage together: streaming perplexity and KV bytes.
 
 The protocol of ``qfilters-mlx eval`` (README "Evaluation"): SmolLM2-135M-Instruct float32,
 the first ``prefix + scored`` tokens of CPython's reference documentation (default 128 +
