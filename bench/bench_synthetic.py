@@ -30,7 +30,7 @@ kept (float32 K/V + float32 scores + the filter, as ``QFiltersKVCache.qfilters_k
 eviction (for all heads: filter estimation (SVD) for the Q-Filters arms, the observation
 queries' attention for h2o, scoring and selection of ``T`` tokens; ``mx.eval``-timed, median).
 
-Run: ``python bench/benchmark_qfilters.py`` (about a minute on 2 cores); writes
+Run: ``python bench/bench_synthetic.py`` (about a minute on 2 cores); writes
 ``bench/results/synthetic.json`` and ``bench/results/synthetic.png`` and prints a table.
 """
 
