@@ -390,7 +390,7 @@ def markdown(summary, meta, args) -> str:
 
 def targets(summary, meta) -> list[str]:
     by = {(s["length"], s["budget"], s["arm"]): s for s in summary}
-    L = ["Targets (issue 8), qfilters-cpp rows:", ""]
+    L = ["Targets, qfilters-cpp rows:", ""]
     cpp = [s for s in summary if s["arm"] == "qfilters-cpp"]
     for s in cpp:
         n, b = s["length"], s["budget"]

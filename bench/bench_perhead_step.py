@@ -1,11 +1,11 @@
-"""Decode-step cost with one recent window vs per-head windows (issue 17).
+"""Decode-step cost with one recent window vs per-head windows.
 
 SmolLM2 shapes (30 layers, H_kv 3, D 64, float32, B 1), the cpp backend, budget 256,
 4 sinks, key-SVD filter (sign -1) calibrated on the first 128 keys. Each cache is
 filled with ``--context`` seeded random tokens, then ``--steps`` single-token
 steps (``update_and_fetch`` on every layer, one ``mx.eval``) are timed one by one;
 the median is printed as one JSON line. ``--recent int`` uses recent 128 for every
-head (what the code before issue 17 ran); ``--recent perhead`` a per-head table
+head (one window for all heads); ``--recent perhead`` a per-head table
 (0 / 128 / 252 in turn over heads and layers). Run it alternately in both trees
 for a paired before/after comparison::
 

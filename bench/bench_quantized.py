@@ -1,4 +1,4 @@
-"""Decode speed and KV bytes of eviction + quantized storage (issue 19), in one run.
+"""Decode speed and KV bytes of eviction + quantized storage, in one run.
 
 Arms, at 4k and 8k prompts (SmolLM2-135M-Instruct float32, 30 layers, 3 KV heads, D 64):
 

@@ -34,8 +34,9 @@ std::vector<int> recent_list(const RecentArg& r) {
 
 NB_MODULE(_ext, m) {
   m.doc() =
-      "Q-Filters eviction kernels for MLX (CPU primitives). Semantics equal "
-      "qfilters_mlx.reference; errors are ValueError prefixed with the op "
+      "Q-Filters eviction kernels for MLX (primitives with CPU kernels; "
+      "projection_scores and select_compact also run on Metal). Semantics "
+      "equal qfilters_mlx.backends.reference; errors are ValueError prefixed with the op "
       "name.";
 
   m.def(

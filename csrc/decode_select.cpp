@@ -1,3 +1,6 @@
+// The decode-step ops of decode_select.h: validation, CPU kernels, and the
+// eval_gpu stubs that raise (these ops run on the CPU stream only).
+
 #include "decode_select.h"
 
 #include <cmath>

@@ -1,4 +1,6 @@
-// The bookkeeping of one decode step of the slot-based eviction cache.
+// The bookkeeping of one decode step of the slot-based eviction cache: the ops
+// decode_select, decode_select_keys and write_slot (CPU kernels only; their
+// eval_gpu raises). Implemented in decode_select.cpp.
 //
 //   decode_select(scores [B,H,S] f32, positions [B,H,S] int64,
 //                 new_scores [B,H,1], free [B,H] int32, position, n_sink, recent)
@@ -10,7 +12,8 @@
 // sink (< n_sink) nor in its head's recent window (>= position + 1 -
 // recent[h]), the
 // lowest score, and among equal scores the latest position (NaN lowest,
-// -0.0 == +0.0): exactly what reference.decode_select computes. The K/V rows
+// -0.0 == +0.0): exactly what
+// qfilters_mlx.backends.reference.decode_select computes. The K/V rows
 // are written by write_slot (single output, so MLX lets it reuse the buffer;
 // a multi-output primitive's inputs are never donatable).
 #pragma once

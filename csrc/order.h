@@ -1,4 +1,5 @@
-// The score order shared by the selection kernels (must equal reference.py).
+// The score order shared by the selection kernels (must equal
+// python/qfilters_mlx/backends/reference.py).
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
-// Q-Filters eviction primitives: ops (validation), CPU kernels, GPU stubs.
-// See qfilters.h for the semantics; python/qfilters_mlx/reference.py is the
-// oracle the tests compare against.
+// Q-Filters eviction primitives projection_scores and select_compact: ops
+// (validation), CPU kernels (eval_cpu), Metal dispatch (eval_gpu; a stub that
+// raises when built without Metal). See qfilters.h for the semantics;
+// python/qfilters_mlx/backends/reference.py is the oracle the tests compare against.
 
 #include "qfilters.h"
 #include "validate.h"
@@ -516,7 +517,7 @@ void SelectCompact::eval_cpu(const std::vector<mx::array>& inputs,
 // Primitives: GPU (Metal builds only). The kernels are metal/qfilters.metal,
 // compiled into qfilters.metallib next to this module; buffer indices match
 // the signatures there, launch geometry matches
-// python/qfilters_mlx/metal_kernels.py (grid counts threads; whole
+// python/qfilters_mlx/backends/metal.py (grid counts threads; whole
 // threadgroups).
 // ---------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 // Q-Filters eviction hot path as MLX custom primitives.
 //
-// Two ops, each an mx::Primitive evaluated on the CPU through MLX's command
-// encoder. Their semantics are those of python/qfilters_mlx/reference.py (the
-// oracle; this code shares nothing with it):
+// Two ops, each an mx::Primitive: eval_cpu runs the loops of qfilters.cpp through
+// MLX's CPU command encoder; eval_gpu runs metal/qfilters.metal when the
+// extension is built with Metal (otherwise it raises). Their semantics are
+// those of python/qfilters_mlx/backends/reference.py (the oracle; this code
+// shares nothing with it):
 //
 //   projection_scores(keys [B,H,T,D] f32|f16|bf16, filters [H,D], sign)
 //       -> scores [B,H,T] float32, sign * <k, u_h> accumulated in float32.

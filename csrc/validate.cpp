@@ -1,3 +1,5 @@
+// Input validation shared by the ops (declared in validate.h).
+
 #include "validate.h"
 
 #include <sstream>

@@ -2,7 +2,7 @@
 //
 //   * the metallib (metal/qfilters.metal, built by mlx_build_metallib when
 //     MLX_BUILD_METAL is on, loaded by the C++ primitives' eval_gpu), and
-//   * the JIT path (python/qfilters_mlx/metal_kernels.py passes this file as
+//   * the JIT path (python/qfilters_mlx/backends/metal.py passes this file as
 //     the `header` of mx.fast.metal_kernel and one QF_*_BODY(...) line as the
 //     `source`; MLX writes the kernel signature).
 //
@@ -15,7 +15,7 @@
 // fetch_add}_explicit on threadgroup atomic_uint, simd_sum,
 // simd_prefix_exclusive_sum, as_type, min.
 //
-// Semantics are those of python/qfilters_mlx/reference.py (the oracle; this
+// Semantics are those of python/qfilters_mlx/backends/reference.py (the oracle; this
 // code shares nothing with it):
 //   score  = sign * <k, u_h>, accumulated in float32;
 //   select = first n_sink and last `recent[h]` positions always kept, the other

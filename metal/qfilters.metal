@@ -3,7 +3,7 @@
 // in csrc/qfilters.cpp). Kernel names are built on the host as
 // qfilters_<op>_<dtype>. The signatures list their buffers in the order MLX's
 // mx.fast.metal_kernel generates for the JIT path (python/qfilters_mlx/
-// metal_kernels.py), and the bodies are the same QF_*_BODY lines, so both
+// backends/metal.py), and the bodies are the same QF_*_BODY lines, so both
 // entry points run the same code. Buffer indices must match eval_gpu.
 
 #include "metal/qfilters.h"

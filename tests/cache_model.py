@@ -1,6 +1,6 @@
 """An independent numpy model of the whole eviction cache (imports nothing from qfilters_mlx).
 
-The method, written out from README/DESIGN.md:
+The method, written out from docs/method.md ("How the cache evicts"):
 
 * every token is scored once, when it enters: ``sign * <k, u_h>`` in float32
   for Q-Filters with a fixed filter ``u [H, D]`` given from outside,

@@ -1,4 +1,4 @@
-"""The architecture matrix (issue 12): every decoder-only module of the installed mlx-lm.
+"""The architecture matrix: every decoder-only module of the installed mlx-lm.
 
 For each ``mlx_lm.models`` module (enumerated by ``pkgutil`` in :mod:`arch_models`,
 tiny float32 random weights, seeded): the build either succeeds or is refused at

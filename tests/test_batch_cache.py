@@ -237,7 +237,7 @@ def test_save_and_load_a_batch_cache(tmp_path):
 
 
 def test_compress_once_rows_batch_like_alone():
-    """Compress-once caches (issue 16) in a batch: each row compresses at its own prompt end
+    """Compress-once caches in a batch: each row compresses at its own prompt end
     (the first single-token call after its prefill) and then grows, exactly as alone."""
     model = tiny_llama()
     cfg = config(qfilters_mode="compress_once", qfilters_compression_ratio=0.5, qfilters_recent=None)

@@ -1,4 +1,4 @@
-"""QFiltersKVCache: data flow, invariants and protocol members (DESIGN.md, CASES.md)."""
+"""QFiltersKVCache: data flow, invariants and protocol members (docs/method.md, "How the cache evicts")."""
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +37,7 @@ def kept(cache):
     return np.array(cache.kept_positions())
 
 
-# ---------------------------------------------------------------- CASES 1
+# ---------------------------------------------------------------- RoPE offset
 def test_offset_is_absolute_position_and_returned_keys_bounded():
     k, v = rand_kv(0, B=1, H=4, T=264, D=64, dtype=mx.float16)
     c = make(budget=32, n_sink=4, recent=8, calib=16)
@@ -145,7 +145,7 @@ def test_frozen_scores_never_change():
                 assert seen.setdefault((h, int(p)), s) == s
 
 
-# ---------------------------------------------------------------- CASES 5
+# ---------------------------------------------------------------- sinks and recent window
 def test_sinks_and_recent_survive_500_steps():
     k, v = rand_kv(8, B=2, H=2, T=520, D=8)
     c = make(budget=24, n_sink=4, recent=6, calib=10)
@@ -158,7 +158,7 @@ def test_sinks_and_recent_survive_500_steps():
             assert np.all(idx[..., -6:] == np.arange(t + 1 - 6, t + 1))
 
 
-# ---------------------------------------------------------------- CASES 2
+# ---------------------------------------------------------------- attention after scattered eviction
 def test_chunk_attention_after_scattered_eviction_matches_explicit_mask():
     k, v = rand_kv(9, B=1, H=2, T=52, D=16)
     q = mx.array(np.random.default_rng(10).standard_normal((1, 2, 12, 16)).astype(np.float32))
@@ -220,7 +220,7 @@ def test_make_mask_window_before_eviction_and_streaming():
         c.make_mask(2, window_size=4)
 
 
-# ---------------------------------------------------------------- CASES 6
+# ---------------------------------------------------------------- trim
 def test_trim_before_and_after_eviction():
     k, v = rand_kv(13, T=30)
     c = make(budget=8, n_sink=2, recent=2, calib=4, qfilters_max_rewind=4)

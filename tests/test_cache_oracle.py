@@ -230,7 +230,7 @@ def test_cache_matches_model(backend, s, actions, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("method", ["qfilters", "l2norm"])
 def test_non_finite_and_tied_keys_in_prefill_and_decode(backend, method, tmp_path):
-    """Deterministic case of the rules above (issue 20, kind 2): +inf / -inf / NaN keys
+    """Deterministic case of the rules above: +inf / -inf / NaN keys
     score -inf and are dropped first (unless sink or recent), in prefill and in slot-mode
     decode; equal scores keep the earlier position. Checked against the model, not
     only backend against backend."""

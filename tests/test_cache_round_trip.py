@@ -1,5 +1,5 @@
-"""Every way of saving or copying a cache keeps every attribute, at every stage
-(issue 20, kind 1): before calibration with queries kept, after an eviction, and
+"""Every way of saving or copying a cache keeps every attribute, at every stage:
+before calibration with queries kept, after an eviction, and
 mid-decode in slot mode (the normal case: a prompt cache saved after generation),
 with a filter estimated from keys, from observed queries, or given from outside.
 The reloaded cache then continues exactly like the uninterrupted one: the same

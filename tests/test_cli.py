@@ -316,7 +316,7 @@ def test_cache_summary_sums_layers():
     assert compression_text(s, "qfilters") == f"{s['full_bytes'] / s['kept_bytes']:.2f}x"
 
 
-# ------------------------------------------------ inputs (issue 13, section 3)
+# ------------------------------------------------ inputs: version, prompts, files
 def test_version(capsys):
     import qfilters_mlx
 
@@ -465,7 +465,7 @@ def test_missing_filters_file_is_a_clear_error(capsys, tmp_path):
     assert "qfilters-mlx calibrate --out" in err
 
 
-# -------------------------------------------- mlx-lm's flags (issues 12 and 13)
+# -------------------------------------------- mlx-lm's flags
 def test_quantized_kv_flags_as_mlx_lm_spells_them():
     """--kv-bits & co. reach mlx-lm's generation (which calls to_quantized), with its defaults."""
     from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START

@@ -118,8 +118,7 @@ def test_gqa_32_query_heads_over_8_kv_heads():
 def test_non_attention_layers_keep_model_cache():
     """gemma3_text mixes sliding-window (RotatingKVCache) and global layers; read from the model.
 
-    (Was a fake model without a forward pass; the builder now probes the model, so the test
-    uses a real one.)"""
+    The builder probes the model with a forward pass, so the test uses a real (tiny) model."""
     from mlx_lm.models import gemma3_text
 
     args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=32, num_hidden_layers=3,
@@ -169,7 +168,7 @@ def test_budget_beyond_int32_and_bad_filters_rejected():
 def test_batching_merges_into_our_batch_cache_never_a_plain_cache():
     """mlx-lm batches caches through `merge` (BatchGenerator's `_merge_caches`): ours become a
     BatchQFiltersCache whose rows keep exactly their kept positions; caches of different
-    configurations are refused naming the field (CASES 3: never a plain cache)."""
+    configurations are refused naming the field (never silently a plain cache)."""
     from mlx_lm.generate import _merge_caches
 
     from qfilters_mlx.cache.batch import BatchQFiltersCache

@@ -1,4 +1,4 @@
-"""Copies and files (CASES 7, 13): deepcopy/pickle, prompt-cache files, LRUPromptCache, kv_bits."""
+"""Copies and files: deepcopy/pickle, prompt-cache files, LRUPromptCache, kv_bits."""
 
 import copy
 import pickle
@@ -75,7 +75,7 @@ def test_copies_are_independent_and_continue_bit_for_bit(backend, how):
 
 
 def test_deepcopy_of_a_prompt_cache_list_with_the_cpp_backend():
-    """CASES 13: what mlx_lm.server does on every request sharing a prefix."""
+    """What mlx_lm.server does on every request sharing a prefix."""
     if "cpp" not in available_backends():
         pytest.skip("the compiled extension is not installed")
     k, v = rand_kv(2)

@@ -1,8 +1,8 @@
 """QFiltersKVCache's documented behaviour pinned exactly: constructor checks, the default
 layer, the query-observation contract, buffer growth and ``nbytes``, exact rewinds against
 an uninterrupted run, path independence with the C++ backend, and the compress-once
-``prompt_end`` trigger (added for mutants of ``cache/kv_cache.py`` that survived
-``tools/mutation.py``; see bench/results/mutation.md).
+``prompt_end`` trigger (behaviour the mutation check of ``cache/kv_cache.py`` needs pinned:
+``tools/mutation.py``, bench/results/mutation.md).
 
 References: the numpy model of the cache (``tests/cache_model.py``), the random arm's hash
 in numpy (``tests/test_properties.py``), a cache that never saw the rewound tokens, and the

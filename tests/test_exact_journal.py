@@ -1,6 +1,7 @@
 """The rewind journal (``cache/journal.py``) pinned exactly: its reach, its bytes, and rewinds
-across every kind of record (added for mutants of ``cache/journal.py``, ``cache/rewind.py``
-and ``cache/slots.py`` that survived ``tools/mutation.py``; see bench/results/mutation.md).
+across every kind of record (behaviour the mutation check of ``cache/journal.py``,
+``cache/rewind.py`` and ``cache/slots.py`` needs pinned: ``tools/mutation.py``,
+bench/results/mutation.md).
 
 * reach (journal.py / ``rewindable_tokens``): the journal keeps the records of the newest
   calls covering at least ``qfilters_max_rewind`` tokens (one record per call, a decode step

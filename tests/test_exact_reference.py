@@ -1,7 +1,7 @@
 """The reference backend's decode step and query orientation, and ``to_quantized``'s
-arguments, pinned against independent references (added for mutants of
-``backends/reference.py`` and ``cache/kv_cache.py`` that survived ``tools/mutation.py``;
-see bench/results/mutation.md).
+arguments, pinned against independent references (behaviour the mutation check of
+``backends/reference.py`` and ``cache/kv_cache.py`` needs pinned: ``tools/mutation.py``,
+bench/results/mutation.md).
 
 References: the victim rule written out in numpy (``oracle.np_victim``, one head at a
 time for per-head windows), the sign of the mean query projection computed in numpy on

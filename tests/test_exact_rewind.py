@@ -1,6 +1,6 @@
-"""Copies and rewinds pinned against an uninterrupted run (added for mutants of
-``cache/persistence.py`` and ``cache/rewind.py`` that survived ``tools/mutation.py``;
-see bench/results/mutation.md).
+"""Copies and rewinds pinned against an uninterrupted run (behaviour the mutation check of
+``cache/persistence.py`` and ``cache/rewind.py`` needs pinned: ``tools/mutation.py``,
+bench/results/mutation.md).
 
 * pickling / ``copy.deepcopy`` restore the kernel backend by name (also ``"metal"``,
   here a stand-in for a Mac's Metal backend) and leave the copy unobserved, exactly

@@ -1,5 +1,5 @@
-"""Documented rules checked exactly against the rule written out in numpy (added for
-mutants that survived ``tools/mutation.py``; see bench/results/mutation.md)."""
+"""Documented rules checked exactly against the rule written out in numpy (behaviour the
+mutation check needs pinned: ``tools/mutation.py``, bench/results/mutation.md)."""
 
 import mlx.core as mx
 import numpy as np

@@ -1,8 +1,8 @@
 """Selection and insertion-score rules checked exactly against the rule written out
 (numpy): the defaults of ``select_keep`` and ``insertion_scores``, the ranking of
 scores one float32 ulp apart, decode bookkeeping at absolute positions beyond the
-int32 range, and ``insertion_scores``' backend dispatch and ``finite`` switch (added
-for mutants that survived ``tools/mutation.py``; see bench/results/mutation.md)."""
+int32 range, and ``insertion_scores``' backend dispatch and ``finite`` switch
+(behaviour the mutation check needs pinned: ``tools/mutation.py``, bench/results/mutation.md)."""
 
 from types import SimpleNamespace
 

@@ -1,6 +1,6 @@
 """Slot mode (single-token decode after an eviction), its window masks and its rewinds,
-pinned exactly (added for mutants of ``cache/slots.py`` and ``cache/kv_cache.py`` that
-survived ``tools/mutation.py``; see bench/results/mutation.md).
+pinned exactly (behaviour the mutation check of ``cache/slots.py`` and ``cache/kv_cache.py``
+needs pinned: ``tools/mutation.py``, bench/results/mutation.md).
 
 * README (Known limitations): ``window_size`` masks are supported before eviction and for
   ``streaming_llm``; after a per-head eviction they raise ``ValueError`` naming

@@ -28,7 +28,7 @@ MAX_LINES = 350
 LONG_REASON = "Longer than 350 lines because"
 ALLOWED_PRIVATE = {f"{PACKAGE}._ext"}
 
-# Violations in files other helpers are changing at the same time (issue 14); the test
+# Violations in files other helpers are changing at the same time; the test
 # xfails while every violation it finds is one of these, and fails on any other.
 PENDING_MERGE: dict = {}
 

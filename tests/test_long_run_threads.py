@@ -1,4 +1,4 @@
-"""Long decodes keep memory flat; caches work from worker threads (issue 7, CASES 8)."""
+"""Long decodes keep memory flat; caches work from worker threads."""
 
 import threading
 

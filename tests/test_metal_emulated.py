@@ -10,7 +10,7 @@ fibers resumed in a random order after every barrier (mode ``fibers``, used
 for the bulk of the matrix because it is ~100x faster on two cores). The
 kernel bodies are the very ``QF_*_BODY`` lines that ``mx.fast.metal_kernel``
 and ``metal/qfilters.metal`` compile; the launch geometry is the one
-``qfilters_mlx.metal_kernels`` uses on a Mac (plus extra threadgroup sizes).
+``qfilters_mlx.backends.metal`` uses on a Mac (plus extra threadgroup sizes).
 Not emulated: the kernel signatures and the host code that binds buffers
 (covered on macOS by ``tests/test_metal_native.py``).
 

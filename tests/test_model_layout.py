@@ -1,4 +1,5 @@
-"""What the builder reads from the model (issue 12 section 1; CASES 11, 15, 16, 17)."""
+"""What the builder reads from the model: GQA and missing head_dim, latent caches, per-layer head
+widths, nested caches."""
 
 import mlx.core as mx
 import numpy as np
@@ -67,7 +68,7 @@ def test_nothing_to_budget_is_refused(name):
 
 
 def test_cache_list_attention_part_is_budgeted():
-    """falcon_h1: CacheList(ArraysCache, KVCache) per layer; 60 tokens at budget 16 (CASES 17)."""
+    """falcon_h1: CacheList(ArraysCache, KVCache) per layer; 60 tokens at budget 16."""
     model = arch_models.build("falcon_h1")
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CFG))
     assert all(isinstance(c, CacheList) and isinstance(c[1], QFiltersKVCache) for c in caches)

@@ -1,4 +1,4 @@
-"""Query observation never fails silently (issue 12 section 2, CASES 14).
+"""Query observation never fails silently.
 
 Every attention path the hooks know (mlx-lm's scaled_dot_product_attention name,
 mx.fast.scaled_dot_product_attention, inline attention through mx.fast.rope)
@@ -250,8 +250,8 @@ def test_calibrate_names_layers_without_queries():
 
 
 @pytest.mark.parametrize("source,sign", [("queries", 1), ("keys", "auto")])
-def test_cases_14_gemma2_through_the_builder(source, sign):
-    """CASES 14 as a user writes it: the builder's caches, 68 tokens in one call."""
+def test_gemma2_through_the_builder(source, sign):
+    """gemma2 (attention computed inline) as a user writes it: the builder's caches, 68 tokens in one call."""
     from qfilters_mlx import KVCacheBuilder
 
     model, _ = build("gemma2")

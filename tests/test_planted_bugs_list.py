@@ -1,7 +1,7 @@
-"""The planted-bug list of ``tools/planted_bugs.py`` stays true to the source (issue 20):
+"""The planted-bug list of ``tools/planted_bugs.py`` stays true to the source:
 every ``old`` snippet occurs exactly once in its file of ``python/qfilters_mlx``, the
 planted file still parses (the bug is a wrong rule, not a syntax error), every named
-test exists, and the issue's five kinds are all covered. No pytest run inside: the
+test exists, and the five kinds of fault are all covered. No pytest run inside: the
 planted runs themselves are ``python tools/planted_bugs.py`` (not in CI).
 """
 

@@ -1,4 +1,4 @@
-"""mlx-lm prompt-cache files round-trip QFiltersKVCache exactly (CASES 7)."""
+"""mlx-lm prompt-cache files round-trip QFiltersKVCache exactly."""
 
 import mlx.core as mx
 import numpy as np

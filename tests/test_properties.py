@@ -1,4 +1,4 @@
-"""Property tests: DESIGN.md's invariants after every call of random call sequences.
+"""Property tests: the invariants of docs/method.md ("How the cache evicts") after every call of random call sequences.
 
 Exact: the kept positions must equal the numpy oracle's (no swapped position
 allowed) on every backend available. The oracle scores in float64 from the

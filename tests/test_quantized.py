@@ -1,4 +1,4 @@
-"""Quantized storage (issue 19): ``KVCacheConfig(kv_bits=...)`` / ``to_quantized``.
+"""Quantized storage: ``KVCacheConfig(kv_bits=...)`` / ``to_quantized``.
 
 References: the unquantized cache (same kept set, rows quantized with ``mx.quantize``),
 mlx-lm's ``QuantizedKVCache`` (logits bit for bit when nothing is evicted) and mlx-lm's own

@@ -1,4 +1,4 @@
-"""The paper's estimator: query-derived filters, auto sign, filter files (issue 6, CASES 4/11)."""
+"""The paper's estimator: query-derived filters, auto sign, filter files."""
 
 import mlx.core as mx
 import numpy as np
@@ -87,7 +87,7 @@ def test_filters_file_round_trip_and_mismatch(tmp_path):
 
 
 def test_identity_ignores_how_mlx_lm_parses_args_and_legacy_files_warn(tmp_path):
-    """The identity comes from the parameters, not vars(model.args) (issue 13); 0.1 files
+    """The identity comes from the parameters, not vars(model.args); 0.1 files
     (no model_fields) load with a warning when their shapes fit, and are refused otherwise."""
     model = tiny_llama()
     before = cal.identity_fields(model)

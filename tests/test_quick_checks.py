@@ -1,5 +1,5 @@
 """``eval --quick``'s own sanity checks (``check_quick``) against the rules written out
-here (issue 20, kind 4): each flag must be False whenever its rule is broken, not
+here: each flag must be False whenever its rule is broken, not
 only True on a good run (the integration tier then re-checks the flags of a real
 quick run from the numbers it saved, see ``tests/integration/test_eval_quick.py``).
 

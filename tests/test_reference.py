@@ -151,8 +151,8 @@ def test_filter_ignores_nonfinite_rows():
 
 
 def test_errors_name_the_argument_and_the_expected_shape():
-    """README: a bad input raises before anything runs, naming the argument (mutation check:
-    messages naming the wrong argument or axis survived before this test)."""
+    """README: a bad input raises before anything runs, naming the argument (the mutation check
+    needs a test that reads the argument and axis each message names)."""
     k, f = mx.zeros((1, 2, 3, 4)), mx.zeros((2, 4))
     cases = [
         (lambda: ref.projection_scores(k[0], f), ValueError, r"^keys must have 4 dimensions, got shape \(2, 3, 4\)$"),

@@ -1,4 +1,4 @@
-"""Exact rewinds after an eviction (CASES 6, 12): the journal, ``trim``, speculative decoding."""
+"""Exact rewinds after an eviction: the journal, ``trim``, speculative decoding."""
 
 import contextlib
 
@@ -163,7 +163,7 @@ def test_journal_bytes_are_counted():
         + c.journal_nbytes
 
 
-# --------------------------------------------------- speculative decoding (CASES 12)
+# --------------------------------------------------- speculative decoding
 def tiny_llama(seed, layers=2, vocab=61):
     args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=layers,
                            intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
@@ -354,8 +354,8 @@ def test_speculative_equals_greedy_while_nothing_is_evicted(method):
     assert caches[0].offset == plain[0].offset == 30 + 20 - 1
 
 
-def test_cases_12_offset_after_speculative_decoding_with_eviction():
-    """CASES 12: a draft that disagrees, 3 draft tokens, budget 16, a 40-token prompt, 20 tokens:
+def test_offset_after_speculative_decoding_with_eviction():
+    """A draft that disagrees, 3 draft tokens, budget 16, a 40-token prompt, 20 tokens:
     the main caches end at the offset a plain cache reaches (59), not 116."""
     config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=0, qfilters_calib_tokens=8,
                            qfilters_filter_source="keys", qfilters_max_rewind=3)

@@ -1,4 +1,4 @@
-"""Two held-out segments and the bootstrap gap ratio (issue 17)."""
+"""Two held-out segments and the bootstrap gap ratio."""
 
 import numpy as np
 import pytest

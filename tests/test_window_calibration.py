@@ -1,4 +1,4 @@
-"""Per-head recent windows (issue 17): the calibration rule on constructed heads with a
+"""Per-head recent windows: the calibration rule on constructed heads with a
 known answer, the captured-mass measure against the numpy selection rule, the filters
 file with and without windows, and ``qfilters_recent`` as a table / ``"calibrated"``."""
 

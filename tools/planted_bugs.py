@@ -1,8 +1,8 @@
-"""Planted one-line bugs (issue 20, "Done when", first item): each must make the
+"""Planted one-line bugs: each must make the
 tests named for it fail. Not in CI (a pytest process per bug and per named test: about 2
 minutes on 2 shared cores).
 
-Each entry of ``BUGS``: ``name``; ``kind`` (1-5, the issue's numbering: 1 saving a cache
+Each entry of ``BUGS``: ``name``; ``kind`` (1-5, the kind of fault: 1 saving a cache
 mid-decode, 2 non-finite keys and the tie-break, 3 the recent window, 4 ``eval
 --quick``'s own checks, 5 error messages and the Metal refusal); ``file``
 (relative to ``python/qfilters_mlx``); ``old``, the exact source snippet, which
@@ -241,7 +241,7 @@ def write_results(out_dir: Path, report: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "planted_bugs.json").write_text(json.dumps(report, indent=1) + "\n")
     c = report["control"]
-    lines = ["# Planted bugs (issue 20)", "",
+    lines = ["# Planted bugs", "",
              "Each row: one substitution in a copy of `python/qfilters_mlx` "
              "(`tools/planted_bugs.py`), the named tests run with `pytest -x`.", "",
              f"Control (no substitution, all the tests below): **{c['outcome']}** ({c['seconds']} s, "

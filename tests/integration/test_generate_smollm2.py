@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 BUDGET = 256
-N_LAYERS, N_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M (DESIGN.md, "Real inputs")
+N_LAYERS, N_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M (docs/testing.md, "Real inputs")
 
 
 @pytest.fixture(scope="module")

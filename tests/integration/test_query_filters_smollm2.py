@@ -31,7 +31,7 @@ def test_calibrated_filters_fit_the_model_and_oppose_the_key_direction(model_pat
     filters, meta = load_filters(filters_file, model)
     assert filters.shape == (30, 3, 64) and meta["calibration_tokens"] == "512"
     np.testing.assert_allclose(np.linalg.norm(np.array(filters), axis=-1), 1.0, atol=1e-4)
-    # DESIGN.md: the key-SVD direction (keys project positively) points against the query
+    # docs/method.md ("Filters"): the key-SVD direction (keys project positively) points against the query
     # filter in most KV heads of SmolLM2.
     ids = tokenizer.encode(calibration_text()[0])[:128]
     caches = [KVCache() for _ in model.layers]
@@ -56,7 +56,7 @@ def test_generate_with_filters_and_auto_sign(model_path, filters_file, capsys):
 
 
 def test_shipped_filters_file_loads_on_a_fresh_setup(model_path):
-    """bench/results/smollm2_filters.safetensors carries the parameter-based identity (issue 13):
+    """bench/results/smollm2_filters.safetensors carries the parameter-based identity:
     it loads without a warning, and the same architecture with other weights is refused naming
     the field."""
     import os

@@ -4,8 +4,8 @@ Source text: CPython's own reference documentation, which every CPython
 installation ships as prose in ``pydoc_data/topics.py`` (the text behind
 ``help("topic")``; PSF documentation licence, the same text as
 docs.python.org's Language Reference). :func:`source_text` joins the string
-values of its ``topics`` dict in sorted key order with blank lines, as
-DESIGN.md ("Real inputs") prescribes; nothing is copied into this repository.
+values of its ``topics`` dict in sorted key order with blank lines (docs/testing.md,
+"Real inputs"); nothing is copied into this repository.
 
 The first 2,048 SmolLM2 tokens of that joined text (about 8,000 characters)
 are reserved for perplexity evaluation. The prompt is taken from a disjoint,

@@ -63,7 +63,7 @@ def _metal_available() -> bool:
 def _metal_backend() -> Backend:
     """Metal kernels: the metallib built with the extension when installed,
     else the same kernel source through ``mx.fast.metal_kernel`` (see
-    :mod:`qfilters_mlx.metal_kernels`). Raises ValueError without Metal."""
+    :mod:`qfilters_mlx.backends.metal`). Raises ValueError without Metal."""
     from qfilters_mlx.backends.metal import metal_backend
 
     return metal_backend("auto")

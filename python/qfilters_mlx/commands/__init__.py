@@ -1,2 +1,2 @@
 """The ``qfilters-mlx`` command line: the only part of the package that loads models,
-reads files and prints (DESIGN.md, "Dependency rules")."""
+reads files and prints (docs/testing.md, "Layout")."""

@@ -1,7 +1,7 @@
 """``qfilters-mlx eval``: the command-line layer of the model-level evaluation.
 
 Loads the model and the text, reads/writes the results files and prints
-(DESIGN.md: only the command line does I/O); the measuring is in
+(only the command line does I/O: docs/testing.md, "Layout"); the measuring is in
 :mod:`qfilters_mlx.evaluation`, the tables and plot in
 :mod:`qfilters_mlx.evaluation.report`.
 """

@@ -4,11 +4,11 @@ An :class:`Arm` names one eviction method with its fixed settings (sign,
 recent window as a fraction of the budget); :func:`Arm.config` turns it into
 a validated :class:`~qfilters_mlx.config.KVCacheConfig` for one budget and
 :func:`Arm.make_cache` into one layer's cache. New arms (for example the
-query-derived filters of issue 6) plug in by adding an ``Arm`` to a list,
+query-derived filters of :func:`query_arms`) plug in by adding an ``Arm`` to a list,
 with their own ``cache_factory`` when ``QFiltersKVCache(config)`` is not
 enough; the harness never branches on arm names.
 
-The default list (issue 5): Q-Filters key-SVD sign +1 and -1, L2Norm and
+The default list (:func:`default_arms`): Q-Filters key-SVD sign +1 and -1, L2Norm and
 random, each with ``recent`` in ``{0, budget/4, budget/2}``, and StreamingLLM
 (4 sinks + the rest recent). The full cache is not an arm of the batch: the
 harness runs it with mlx-lm's own ``KVCache``.
@@ -111,7 +111,8 @@ def _frac_label(f: Fraction) -> str:
 
 
 def default_arms(recent_fractions=RECENT_FRACTIONS) -> list[Arm]:
-    """The issue-5 arm list (full cache excluded)."""
+    """The default arm list: the scorers at every recent fraction, and StreamingLLM (full cache
+    excluded)."""
     families = [
         ("qfilters-keys+1", "qfilters", 1),
         ("qfilters-keys-1", "qfilters", -1),
@@ -128,7 +129,7 @@ def default_arms(recent_fractions=RECENT_FRACTIONS) -> list[Arm]:
 
 
 def query_arms(filters=None, recent: Fraction = Fraction(1, 2)) -> list[Arm]:
-    """The issue-6 arms, at one recent window (cost): the online query filter (the
+    """The query-derived arms, at one recent window (cost): the online query filter (the
     paper's estimator), the key-SVD filter with the sign chosen from queries
     (``"auto"``), and, given ``filters [n_layers, H_kv, D]`` from
     ``qfilters-mlx calibrate``, the offline calibrated filter."""
@@ -151,7 +152,7 @@ def query_arms(filters=None, recent: Fraction = Fraction(1, 2)) -> list[Arm]:
 
 
 def perhead_arm(filters, windows: dict) -> Arm:
-    """The issue-17 arm: the offline calibrated filter with per-head recent windows
+    """The per-head arm: the offline calibrated filter with per-head recent windows
     calibrated for each budget (``windows[budget]``: ``[n_layers, H_kv]`` from
     :func:`qfilters_mlx.filters.windows.load_windows`). Budgets without windows are
     skipped (its config is refused there)."""

@@ -1,4 +1,4 @@
-"""The issue-5 evaluation protocol, resumable: settings, orchestration, quick checks.
+"""The model-level evaluation protocol (docs/evaluation.md), resumable: settings, orchestration, quick checks.
 
 :func:`run_evaluation` runs score quality (:mod:`.score_quality`), streaming
 perplexity (:mod:`.perplexity`) and pass-key retrieval (:mod:`.retrieval`) over
@@ -28,7 +28,7 @@ __all__ = ["EvalSettings", "check_quick", "run_evaluation"]
 
 @dataclass(frozen=True)
 class EvalSettings(PerplexitySizes):
-    """Sizes of one evaluation run (``quick()`` for CI, ``full()`` for the issue-5 protocol)."""
+    """Sizes of one evaluation run (``quick()`` for CI, ``full()`` for the full protocol)."""
 
     check_budget: int | None = None  # extra budget >= length where every arm must equal full
     retrieval_contexts: tuple = (1024, 2048, 4096)
@@ -72,7 +72,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
                    set_total: Callable[[int], None] = lambda n: None,
                    arms: list[Arm] | None = None, capture=None, filters=None,
                    parts=("score_quality", "perplexity", "retrieval")) -> dict:
-    """Run (or resume) the issue-5 evaluation, filling ``results`` in place.
+    """Run (or resume) the evaluation, filling ``results`` in place.
 
     Args:
         model, tokenizer: an mlx-lm model and its tokenizer wrapper.

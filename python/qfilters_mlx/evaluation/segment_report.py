@@ -12,7 +12,8 @@ BLOCK = 64
 """Bootstrap block length in tokens (NLLs of nearby tokens are correlated); shorter runs use
 an eighth of their tokens."""
 TARGET_RATIO = 0.8
-"""Issue 17's bar: the per-head arm's gap to the full cache at most 0.8x StreamingLLM's."""
+"""The target of the per-head arm: its perplexity gap to the full cache at most 0.8x StreamingLLM's
+(docs/evaluation.md, "Two held-out segments, gap ratio to StreamingLLM")."""
 
 
 def ratio_table(results) -> dict:

@@ -1,6 +1,6 @@
 """Streaming perplexity on two held-out segments, every (arm, budget) in one batch.
 
-Issue 17: no conclusion rests on one span. Segment ``"A"`` is the perplexity text of
+Two segments so that no conclusion rests on one span. Segment ``"A"`` is the perplexity text of
 :mod:`.run` (the first tokens of the documentation text); segment ``"B"`` starts at the
 first paragraph after character :data:`SEGMENT_B_OFFSET`, disjoint from segment A
 (its first ~9k characters), the retrieval contexts (from character 200,000), the shipped

@@ -1,6 +1,6 @@
 """Per-head recent windows, calibrated offline (``qfilters-mlx calibrate``).
 
-Rule (issue 17): for each budgeted layer, KV head and target budget ``b``, the window
+Rule: for each budgeted layer, KV head and target budget ``b``, the window
 ``r`` is chosen from the grid ``round(f * (b - n_sink))`` for ``f`` in
 :data:`WINDOW_FRACTIONS` (0 up to ``b - n_sink``, i.e. up to StreamingLLM) by
 simulating the eviction on calibration text with the calibrated filter's scores

@@ -1,14 +1,14 @@
 """Synthetic harness: which tokens does each eviction score keep, and what does it cost the attention output?
 
 No model: keys, values and queries are drawn per (regime, length, seed, head), every arm selects
-``budget`` tokens with the package's own scorers and selection (``qfilters_mlx.reference``,
-``qfilters_mlx.scorers``), and the attention output of held-out probe queries over the kept set is
+``budget`` tokens with the package's own scorers and selection (``qfilters_mlx.backends.reference``,
+``qfilters_mlx.cache.scorers``), and the attention output of held-out probe queries over the kept set is
 compared with the output over all tokens.
 
 Regimes
   paper_like: keys and queries share a dominant axis ``u`` (per head, random). Queries point along
       ``+u`` (plus noise), so tokens with a large ``<k, u>`` receive the attention. The keys' mean
-      projection on ``u`` is *negative* (``-mu``), as measured on SmolLM2 (DESIGN.md: the key-SVD
+      projection on ``u`` is *negative* (``-mu``), as measured on SmolLM2 (docs/method.md, "Filters": the key-SVD
       direction, oriented so that keys project positively, points against the queries): the key-SVD
       filter is ``~ -u``, so sign -1 is the right sign here and +1 keeps the wrong tokens.
   isotropic: plain Gaussian keys and queries (no shared axis): no score can know what attention
@@ -30,7 +30,7 @@ kept (float32 K/V + float32 scores + the filter, as ``QFiltersKVCache.qfilters_k
 eviction (for all heads: filter estimation (SVD) for the Q-Filters arms, the observation
 queries' attention for h2o, scoring and selection of ``T`` tokens; ``mx.eval``-timed, median).
 
-Run: ``python bench/benchmark_qfilters.py`` (about a minute on 2 cores); writes
+Run: ``python bench/bench_synthetic.py`` (about a minute on 2 cores); writes
 ``bench/results/synthetic.json`` and ``bench/results/synthetic.png`` and prints a table.
 """
 

@@ -1,4 +1,4 @@
-"""Eviction and quantized storage together (issue 19): streaming perplexity and KV bytes.
+"""Eviction and quantized storage together: streaming perplexity and KV bytes.
 
 The protocol of ``qfilters-mlx eval`` (README "Evaluation"): SmolLM2-135M-Instruct float32,
 the first ``prefix + scored`` tokens of CPython's reference documentation (default 128 +
@@ -12,9 +12,9 @@ length, chunked teacher forcing). All arms of one ``kv_bits`` run as rows of one
 (``batch_caches``). KV bytes: the kept K/V rows as stored, summed over the 30 layers
 (packed words + scales + biases when quantized; scores and filter listed apart).
 
-Usage (resumable from its JSON)::
+Writes ``bench/results/quantized_perplexity.json`` and ``.md``. Usage (resumable from its JSON)::
 
-    PYTHONPATH=python python bench/eval_quantized.py [--scored 2048] [--budgets 128,256,512]
+    PYTHONPATH=python python bench/bench_quantized_perplexity.py [--scored 2048] [--budgets 128,256,512]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import mlx.core as mx
 from common import RESULTS, int_list, load_model, md_table, run_meta, write_results
 
 FILTERS = RESULTS / "smollm2_filters.safetensors"
-OUT = RESULTS / "eval_quantized.json"
+OUT = RESULTS / "quantized_perplexity.json"
 PREFIX = 128  # default prefix (qfilters-mlx eval's)
 
 
