@@ -27,15 +27,15 @@ Single-token calls after an eviction run in *slot mode* (:meth:`QFiltersKVCache.
 below); compress-once mode (``qfilters_mode``: keep every token until one compression,
 then append) is :meth:`QFiltersKVCache.compress` and the limits it sets.
 
-Reading path of one ``update_and_fetch`` call: this file
+Reading path of one ``update_and_fetch`` call, three files: this one
 (``update_and_fetch -> _validate -> _before_call -> _update -> _append / _decode_step ->
-_evict``), the backend operations it calls (``select_compact``, ``projection_scores``,
-``write_slot``, ``decode_select(_keys)``: their semantics in
-:mod:`qfilters_mlx.backends.reference`, dispatched by :mod:`qfilters_mlx.backends.dispatch`)
-and the journal records it pushes when rewinds are on (:mod:`.journal`). Once per cache
-it also reads the calibration estimators (:mod:`.calibration`); a
-``QuantizedQFiltersKVCache`` reads its storage (:mod:`.quantized`) where this file's
-dense storage (:class:`DenseRows`) stores rows as given.
+_evict``); :mod:`qfilters_mlx.backends.reference`, the semantics of the backend operations
+it calls (``projection_scores``, ``select_compact``, ``write_slot``, ``decode_select``;
+the backend chosen at construction runs them, :mod:`qfilters_mlx.backends.dispatch`); and
+:mod:`.journal`, the records it pushes when rewinds are on. Off that path: the call that
+crosses ``calib_tokens`` estimates the filter once (:mod:`.calibration`), and a
+``QuantizedQFiltersKVCache`` stores rows through :mod:`.quantized` where this file's dense
+storage (:class:`DenseRows`) keeps them as given.
 
 Components the cache calls (none of them is a base class): :mod:`.journal` (rewind
 records and the undo of one record), :mod:`.calibration` (online filter estimation),
