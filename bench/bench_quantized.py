@@ -38,7 +38,8 @@ ARMS = ("full", "mlx-quantized-kv8", "mlx-quantized-kv4", "qfilters", "qfilters-
 def make(arm: str, budget: int, n_layers: int, head_dim: int) -> list:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    from qfilters_mlx import KVCacheConfig, QFiltersKVCache
+    from qfilters_mlx import KVCacheConfig
+    from qfilters_mlx.cache.kv_cache import build_cache
 
     if arm == "full":
         return [KVCache() for _ in range(n_layers)]
@@ -48,7 +49,7 @@ def make(arm: str, budget: int, n_layers: int, head_dim: int) -> list:
     cfg = KVCacheConfig(head_dim=head_dim, qfilters_budget=budget, qfilters_n_sink=common.N_SINK,
                         qfilters_calib_tokens=common.CALIB, qfilters_filter_source="keys",
                         qfilters_sign=common.SIGN, kv_bits=bits)
-    return [QFiltersKVCache(cfg, layer_idx=i) for i in range(n_layers)]
+    return [build_cache(cfg, layer_idx=i) for i in range(n_layers)]
 
 
 def fill(caches, T: int, n_kv: int, head_dim: int, chunk: int = common.PREFILL_STEP) -> None:

@@ -47,7 +47,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from qfilters_mlx.backends import reference  # noqa: E402
-from qfilters_mlx.cache.scorers import insertion_scores  # noqa: E402
+from qfilters_mlx.cache.kv_cache import insertion_scores  # noqa: E402
 
 LENGTHS = (256, 512, 1024)
 BUDGETS = (64, 128)

@@ -154,7 +154,7 @@ def test_to_quantized_defaults_are_mlx_lm_defaults():
 
 def test_random_scores_are_the_documented_hash_in_unit_interval():
     """README's random arm: (hash >> 8) / 2**24, uniform in [0, 1) (test_properties' numpy hash)."""
-    from qfilters_mlx.cache.scorers import random_scores
+    from qfilters_mlx.cache.kv_cache import random_scores
     from test_properties import np_random_scores
 
     for H, T, seed, layer in [(2, 50, 0, 0), (3, 40, 7, 5), (1, 300, 123456, 31)]:

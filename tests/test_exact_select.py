@@ -14,7 +14,7 @@ from oracle import np_hash_scores, np_keep_rows, np_victim, np_write_slot
 
 from qfilters_mlx.backends import reference as ref
 from qfilters_mlx.backends.dispatch import get_backend
-from qfilters_mlx.cache.scorers import insertion_scores
+from qfilters_mlx.cache.kv_cache import insertion_scores
 
 
 def test_select_keep_defaults_are_no_sink_and_no_recent_window():

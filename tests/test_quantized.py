@@ -56,7 +56,7 @@ def test_kept_set_and_rows_equal_the_unquantized_cache(method, bits):
     order, slot mode included); after prefill and decode past several evictions the kept
     positions are the same."""
     k, v = rand_kv(1, sum(CHUNKS))
-    plain, quant = QFiltersKVCache(config(method)), QFiltersKVCache(config(method, kv_bits=bits))
+    plain, quant = QFiltersKVCache(config(method)), QuantizedQFiltersKVCache(config(method, kv_bits=bits))
     assert type(quant) is QuantizedQFiltersKVCache and not hasattr(plain, "bits")
     for (kp, vp), (kq, vq) in feed([plain, quant], k, v):
         assert len(kq) == 3 and kq[0].dtype == mx.uint32 and kq[1].dtype == mx.float16
@@ -67,7 +67,7 @@ def test_kept_set_and_rows_equal_the_unquantized_cache(method, bits):
         assert plain.evicted and quant.evicted and quant.size() == 24
     np.testing.assert_array_equal(np.array(plain.kept_positions()), np.array(quant.kept_positions()))
     kept_k = plain.state[0]
-    stored = quant._unpack(quant.state[0], 0)
+    stored = quant.storage.unpack(quant.state[0], 0)
     assert mx.array_equal(mx.dequantize(*stored, group_size=64, bits=bits), qdq(kept_k, bits)).item()
 
 
@@ -78,7 +78,7 @@ def test_other_dtypes_and_group_sizes(dtype, group_size):
     k = mx.concatenate([k, k], axis=-1)  # D = 128
     v = mx.concatenate([v, v], axis=-1)
     plain = QFiltersKVCache(config())
-    quant = QFiltersKVCache(config(kv_bits=4, kv_group_size=group_size))
+    quant = QuantizedQFiltersKVCache(config(kv_bits=4, kv_group_size=group_size))
     for (kp, _), (kq, _) in feed([plain, quant], k, v):
         ref = mx.dequantize(*mx.quantize(kp, group_size=group_size, bits=4), group_size=group_size, bits=4)
         assert mx.array_equal(mx.dequantize(*kq, group_size=group_size, bits=4), ref).item()
@@ -89,12 +89,12 @@ def test_trim_back_into_calibration_recalibrates_from_full_precision_keys():
     """Before the first eviction a trim below calib_tokens drops the filter; the quantized
     cache re-estimates it from its full-precision keys exactly as the unquantized one."""
     k, v = rand_kv(3, 80)
-    plain, quant = QFiltersKVCache(config(qfilters_budget=40)), QFiltersKVCache(config(qfilters_budget=40,
+    plain, quant = QFiltersKVCache(config(qfilters_budget=40)), QuantizedQFiltersKVCache(config(qfilters_budget=40,
                                                                                        kv_bits=8))
     list(feed([plain, quant], k, v, [20]))
     assert quant.filter is not None and plain.trim(8) == quant.trim(8) == 8 and quant.filter is None
     list(feed([plain, quant], k[:, :, 12:], v[:, :, 12:], [10, 30] + [1] * 10))
-    assert quant.evicted and quant._fp_keys is None
+    assert quant.evicted and quant.storage.fp_keys is None
     np.testing.assert_array_equal(np.array(plain.kept_positions()), np.array(quant.kept_positions()))
     assert mx.array_equal(plain.filter, quant.filter).item()
 
@@ -104,7 +104,7 @@ def test_nbytes_counts_packed_scales_and_biases():
     """method='full' stores what QuantizedKVCache stores (same 256-row blocks): its K/V bytes
     equal QuantizedKVCache.nbytes; the eviction cache holds about bits/16 of the float16 bytes."""
     k, v = rand_kv(4, 300)
-    ours, theirs = QFiltersKVCache(config("full", kv_bits=4)), QuantizedKVCache(group_size=64, bits=4)
+    ours, theirs = QuantizedQFiltersKVCache(config("full", kv_bits=4)), QuantizedKVCache(group_size=64, bits=4)
     for t, L in ((0, 256), (256, 44)):
         ours.update_and_fetch(k[:, :, t:t + L], v[:, :, t:t + L])
         theirs.update_and_fetch(k[:, :, t:t + L], v[:, :, t:t + L])
@@ -190,7 +190,7 @@ def test_query_filter_kept_set_equals_unquantized_on_a_model():
 @pytest.mark.parametrize("when", [8, 30, 44])  # before calibration, after eviction, in slot mode
 def test_save_load_continues_bit_for_bit(tmp_path, when):
     k, v = rand_kv(5, 90)
-    a = QFiltersKVCache(config(kv_bits=4))
+    a = QuantizedQFiltersKVCache(config(kv_bits=4))
     list(feed([a], k, v, [when]))
     path = str(tmp_path / "c.safetensors")
     save_prompt_cache(path, [a])
@@ -205,7 +205,7 @@ def test_save_load_continues_bit_for_bit(tmp_path, when):
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_are_independent_and_continue_bit_for_bit(how):
     k, v = rand_kv(6, 90)
-    a = QFiltersKVCache(config(kv_bits=8))
+    a = QuantizedQFiltersKVCache(config(kv_bits=8))
     list(feed([a], k, v, [30, 1, 1, 1]))
     b = copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))
     before = [np.array(x) for x in a.state[:4]]
@@ -219,7 +219,7 @@ def test_copies_are_independent_and_continue_bit_for_bit(how):
 def test_to_quantized_continues_like_a_cache_built_quantized():
     """to_quantized mid-decode (slot mode) equals a cache built with kv_bits, fed the same."""
     k, v = rand_kv(7, 80)
-    plain, built = QFiltersKVCache(config()), QFiltersKVCache(config(kv_bits=4))
+    plain, built = QFiltersKVCache(config()), QuantizedQFiltersKVCache(config(kv_bits=4))
     list(feed([plain, built], k, v, [30, 1, 1]))
     conv = plain.to_quantized(group_size=64, bits=4)
     assert type(conv) is QuantizedQFiltersKVCache and conv.to_quantized(64, 4) is conv
@@ -247,7 +247,7 @@ def test_config_errors_name_the_field(kw, match):
 def test_runtime_errors_are_clear_and_change_nothing():
     with pytest.raises(ValueError, match="needs config.kv_bits"):
         QuantizedQFiltersKVCache(config())
-    c = QFiltersKVCache(config(kv_bits=4))
+    c = QuantizedQFiltersKVCache(config(kv_bits=4))
     with pytest.raises(ValueError, match="keys head_dim 48 is not a multiple of kv_group_size 64"):
         c.update_and_fetch(mx.zeros((1, 2, 3, 48)), mx.zeros((1, 2, 3, 48)))
     assert c.empty() and c.offset == 0

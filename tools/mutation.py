@@ -1,7 +1,7 @@
 """Mutation check (not in CI: too slow on 2 cores): mutmut over the eviction core.
 
-Mutates ``backends/reference.py``, ``cache/kv_cache.py``, ``cache/scorers.py`` and
-the cache mixins ``calibration.py``, ``slots.py``, ``persistence.py``, ``rewind.py`` (``--modules``)
+Mutates ``backends/reference.py``, ``cache/kv_cache.py`` (the cache's hot path, its scores and
+rewinds) and the cache's components ``calibration.py``, ``journal.py``, ``persistence.py`` (``--modules``)
 and runs the unit tests in ``TESTS`` against every mutant: mutmut runs, per mutant,
 only the tests that call the mutated function, and stops at the first failure.
 mutmut wants the package under ``src/``, so the run happens in a scratch copy
@@ -32,7 +32,7 @@ venv's pytest wins.
 Usage (from the repository root)::
 
     python tools/mutation.py --mutmut-path /work/mut-pkgs \\
-        --modules backends/reference.py cache/scorers.py cache/kv_cache.py cache/calibration.py
+        --modules backends/reference.py cache/kv_cache.py cache/calibration.py
     python tools/mutation.py --mutmut-path /work/mut-pkgs --resume      # continue it
     python tools/mutation.py --mutmut-path /work/mut-pkgs --resume --recheck
     python tools/mutation_report.py
@@ -57,8 +57,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py", "cache/scorers.py", "cache/journal.py",
-           "cache/slots.py", "cache/persistence.py", "cache/rewind.py"]
+MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py", "cache/journal.py",
+           "cache/persistence.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the tests written
 # for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",

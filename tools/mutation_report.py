@@ -3,7 +3,7 @@ hand-classified equivalent mutants into ``bench/results/mutation.json`` and ``mu
 
 Usage (after ``python tools/mutation.py ...`` and ``... --resume --recheck`` in each work dir)::
 
-    python tools/mutation_report.py [--workdir /tmp/qfilters-mutation /tmp/qfilters-mutation-mixins]
+    python tools/mutation_report.py [--workdir /tmp/qfilters-mutation /tmp/qfilters-mutation-components]
 
 Per module: mutmut's counts (``killed``, ``survived``, ``timeout``, ``no_tests``,
 ``not_checked``), then the final verdict of every mutant mutmut did not count as killed:
@@ -30,12 +30,10 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests"
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it
     "/tmp/qfilters-mutation": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                              "--modules backends/reference.py cache/scorers.py cache/kv_cache.py "
-                              "cache/calibration.py",
-    "/tmp/qfilters-mutation-mixins": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                                     "--workdir /tmp/qfilters-mutation-mixins "
-                                     "--modules cache/slots.py cache/persistence.py cache/rewind.py "
-                                     "cache/journal.py",
+                              "--modules backends/reference.py cache/kv_cache.py cache/calibration.py",
+    "/tmp/qfilters-mutation-components": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
+                                         "--workdir /tmp/qfilters-mutation-components "
+                                         "--modules cache/persistence.py cache/journal.py",
 }
 
 

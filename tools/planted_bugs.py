@@ -55,7 +55,7 @@ NON_FINITE = "tests/test_cache_oracle.py::test_non_finite_and_tied_keys_in_prefi
 
 BUGS: list[dict] = [
     # ---- kind 1: saving a cache mid-decode
-    dict(name="state_in_slot_order", kind=1, file="cache/slots.py",
+    dict(name="state_in_slot_order", kind=1, file="cache/kv_cache.py",
          what="state returns the rows in slot order (the restore to temporal order skipped)",
          old="        if self._free is None:\n"
              "            return tuple(None if a is None else a[:, :, : self._n] for a in arrays)",
@@ -64,7 +64,7 @@ BUGS: list[dict] = [
          tests=[ROUND_TRIP]),
     dict(name="filter_fixed_not_saved", kind=1, file="cache/persistence.py",
          what="filter_fixed not saved (always False in the saved meta)",
-         old='"filter_fixed": self.filter_fixed,',
+         old='"filter_fixed": s.filter_fixed,',
          new='"filter_fixed": False,',
          tests=[ROUND_TRIP]),
     dict(name="filter_fixed_not_restored", kind=1, file="cache/persistence.py",
@@ -74,11 +74,11 @@ BUGS: list[dict] = [
          tests=[ROUND_TRIP]),
     dict(name="kept_queries_not_saved", kind=1, file="cache/persistence.py",
          what="the kept calibration queries not saved (state carries None)",
-         old="return (keys, values, scores, positions, self.filter, self._queries, json.dumps(meta))",
-         new="return (keys, values, scores, positions, self.filter, None, json.dumps(meta))",
+         old="return (*s.rows, s.filter, s.queries, json.dumps(meta), *extra)",
+         new="return (*s.rows, s.filter, None, json.dumps(meta), *extra)",
          tests=[ROUND_TRIP]),
     # ---- kind 2: non-finite keys, tie-break
-    dict(name="prefill_non_finite_kept", kind=2, file="cache/scorers.py",
+    dict(name="prefill_non_finite_kept", kind=2, file="cache/kv_cache.py",
          what="prefill: non-finite scores no longer mapped to -inf",
          old="return mx.where(mx.isfinite(s), s, -mx.inf) if finite else s",
          new="return s",
@@ -126,7 +126,7 @@ BUGS: list[dict] = [
          old='raise ValueError(f"{name} must be >= {minimum}, got {value}")',
          new='raise ValueError(f"must be >= {minimum}, got {value}")',
          tests=["tests/test_config_builder.py"]),
-    dict(name="cache_input_error_without_name", kind=5, file="cache/validation.py",
+    dict(name="cache_input_error_without_name", kind=5, file="cache/kv_cache.py",
          what="update_and_fetch's type check no longer names keys/values",
          old='raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")',
          new='raise TypeError(f"must be an mx.array, got {type(x).__name__}")',

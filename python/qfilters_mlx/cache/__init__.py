@@ -1,13 +1,14 @@
-"""The cache and how it is built: ``QFiltersKVCache`` (mlx-lm's cache protocol),
-``KVCacheBuilder`` (one cache per layer of a model) and the per-method insertion scores.
+"""The cache and how it is built: ``QFiltersKVCache`` (mlx-lm's cache protocol) and its
+quantized sibling ``QuantizedQFiltersKVCache``, ``build_cache`` (one layer's cache of the
+class ``kv_bits`` asks for) and ``KVCacheBuilder`` (one cache per layer of a model).
 
-The two names are resolved on first use (PEP 562): importing a submodule (as
+The names are resolved on first use (PEP 562): importing a submodule (as
 :mod:`qfilters_mlx.prompt_cache_hook` does while ``mlx_lm`` is being imported)
 must not import :mod:`.builder`, whose :mod:`qfilters_mlx.model_info` may be the
 module that started importing ``mlx_lm`` (an import cycle otherwise).
 """
 
-__all__ = ["KVCacheBuilder", "QFiltersKVCache"]
+__all__ = ["KVCacheBuilder", "QFiltersKVCache", "QuantizedQFiltersKVCache", "build_cache"]
 
 
 def __getattr__(name: str):
@@ -15,8 +16,8 @@ def __getattr__(name: str):
         from qfilters_mlx.cache.builder import KVCacheBuilder
 
         return KVCacheBuilder
-    if name == "QFiltersKVCache":
-        from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+    if name in ("QFiltersKVCache", "QuantizedQFiltersKVCache", "build_cache"):
+        from qfilters_mlx.cache import kv_cache
 
-        return QFiltersKVCache
+        return getattr(kv_cache, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,76 +1,50 @@
-"""Byte accounting of ``QFiltersKVCache`` (mixin): what it holds and what the method needs."""
+"""Byte accounting of ``QFiltersKVCache``: pure functions of its arrays.
+
+The cache's properties (``nbytes``, ``journal_nbytes``, ``kept_kv_bytes``,
+``full_seq_bytes``, ``qfilters_kept_bytes``, ``compression_ratio``;
+:mod:`qfilters_mlx.cache.kv_cache`) call these with the arrays they hold. Stored rows
+are counted as stored: the model's dtype, or packed ``uint32`` words with their scales
+and biases when quantized (:mod:`qfilters_mlx.cache.quantized`).
+"""
 
 from __future__ import annotations
+
+__all__ = ["FILTER_BYTES_PER_ELEMENT", "arrays_nbytes", "kv_bytes", "method_bytes"]
 
 FILTER_BYTES_PER_ELEMENT = 4  # filters are float32
 
 
-class ByteAccountingMixin:
-    """``nbytes``, ``tokens_seen``/``tokens_kept``, ``full_seq_bytes``,
-    ``qfilters_kept_bytes`` and ``compression_ratio``."""
+def arrays_nbytes(*arrays) -> int:
+    """Bytes of the given arrays (``None`` counts 0; a tuple counts its arrays)."""
+    total = 0
+    for a in arrays:
+        if isinstance(a, (tuple, list)):
+            total += arrays_nbytes(*a)
+        elif a is not None:
+            total += a.nbytes
+    return total
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every array the cache holds: buffers at capacity, scores, positions,
-        filter, and the rewind journal (:attr:`journal_nbytes`)."""
-        arrays = [self.keys, self.values, self.scores, self.positions, self.filter]
-        return sum(a.nbytes for a in arrays if a is not None) + self.journal_nbytes
 
-    @property
-    def journal_nbytes(self) -> int:
-        """Bytes held only to make rewinds exact (``qfilters_max_rewind``): per decode step
-        recorded, the slot and the rows it held (``B H (4 + (D_k + D_v) itemsize + 12)``;
-        the step entering slot mode: the scores/positions buffers before it, ``12 B H capacity``);
-        per multi-token call, the rows its eviction dropped; plus the free slot's rows."""
-        rows = self._victim_rows
-        pending = 0 if rows is None else sum(a.nbytes for a in rows)
-        return self._journal.nbytes + pending
+def kv_bytes(keys, values, tokens: int) -> int:
+    """K/V bytes of ``tokens`` rows stored like ``keys`` / ``values`` (``[B, H_kv, *, D]``
+    buffers; ``None``: 0): ``B * H * tokens * (D_k * itemsize_k + D_v * itemsize_v)``."""
+    if keys is None:
+        return 0
+    B, H, _, Dk = keys.shape
+    Dv = values.shape[3]
+    return B * H * tokens * (Dk * keys.dtype.size + Dv * values.dtype.size)
 
-    @property
-    def tokens_seen(self) -> int:
-        """Tokens fed so far (equals ``offset``)."""
-        return self.offset
 
-    @property
-    def tokens_kept(self) -> int:
-        """Tokens stored per (batch row, KV head)."""
-        return self._n
-
-    def _kv_bytes(self, tokens: int) -> int:
-        if self.keys is None:
-            return 0
-        B, H, _, Dk = self.keys.shape
-        Dv = self.values.shape[3]
-        return B * H * tokens * (Dk * self.keys.dtype.size + Dv * self.values.dtype.size)
-
-    @property
-    def kept_kv_bytes(self) -> int:
-        """Bytes of the kept K/V rows alone (``size()`` rows as stored: packed words, scales
-        and biases when quantized), without buffer slack, scores or filter."""
-        return self._kv_bytes(self._n)
-
-    @property
-    def full_seq_bytes(self) -> int:
-        """K/V bytes a full cache would hold for ``tokens_seen`` tokens, stored as this cache
-        stores rows (with ``kv_bits``: a full ``QuantizedKVCache`` of the same bits)."""
-        return self._kv_bytes(self.offset)
-
-    @property
-    def qfilters_kept_bytes(self) -> int:
-        """Bytes the method needs: kept K/V, their float32 scores (when ranked by
-        score) and the frozen filter in full (``H_kv * D * 4`` bytes)."""
-        if self.keys is None:
-            return 0
-        B, H = self.keys.shape[:2]
-        total = self._kv_bytes(self._n)
-        if self.method in ("qfilters", "l2norm", "random"):
-            total += B * H * self._n * 4
-        if self.filter is not None:
-            total += self.filter.size * FILTER_BYTES_PER_ELEMENT
-        return total
-
-    @property
-    def compression_ratio(self) -> float:
-        """``full_seq_bytes / qfilters_kept_bytes`` (1.0 when empty)."""
-        kept = self.qfilters_kept_bytes
-        return self.full_seq_bytes / kept if kept else 1.0
+def method_bytes(method: str, keys, values, n: int, filt) -> int:
+    """Bytes the eviction method needs for ``n`` kept rows: their K/V (:func:`kv_bytes`),
+    their float32 scores when it ranks by score (``qfilters``, ``l2norm``, ``random``:
+    ``B * H * n * 4``) and the frozen filter in full (``H_kv * D * 4``)."""
+    if keys is None:
+        return 0
+    B, H = keys.shape[:2]
+    total = kv_bytes(keys, values, n)
+    if method in ("qfilters", "l2norm", "random"):
+        total += B * H * n * 4
+    if filt is not None:
+        total += filt.size * FILTER_BYTES_PER_ELEMENT
+    return total

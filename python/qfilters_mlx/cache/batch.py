@@ -24,7 +24,7 @@ the kept rows, ``2 * B * H_kv * S * D * itemsize`` bytes) per layer and call.
 Quantized rows and save/load come from
 :class:`~qfilters_mlx.cache.batch_storage.BatchStorageMixin`: ``state`` is every
 row's state, in row order (7 entries each, see
-:class:`~qfilters_mlx.cache.persistence.PersistenceMixin`); mlx-lm's
+:mod:`~qfilters_mlx.cache.persistence`); mlx-lm's
 ``save_prompt_cache`` / ``load_prompt_cache`` round-trip it (pending padding of
 an unfinished ``prepare`` is not saved).
 """

@@ -18,6 +18,13 @@ def _describe_difference(a, b) -> str | None:
                 for name in a.config.__dataclass_fields__
                 if getattr(a.config, name) != getattr(b.config, name)]
         return "configuration (" + "; ".join(diff) + ")"
+    build = ("backend", "max_rewind", "bits", "group_size")
+    ours = [getattr(a, k, None) for k in build]
+    theirs = [getattr(b, k, None) for k in build]
+    ours[0], theirs[0] = a.backend.name, b.backend.name
+    if ours != theirs:
+        return "build options (" + "; ".join(f"{k}: {x!r} vs {y!r}" for k, x, y in zip(build, ours, theirs)
+                                             if x != y) + ")"
     if a.layer_idx != b.layer_idx:
         return f"layer index ({a.layer_idx} vs {b.layer_idx})"
     if a.filter_fixed != b.filter_fixed:

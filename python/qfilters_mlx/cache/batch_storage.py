@@ -3,7 +3,7 @@
 Quantized rows (``bits``, ``group_size``, ``to_quantized``: mlx-lm's attention takes
 the quantized path when a cache has ``bits``) and save/load (``state``: every row's
 state, in row order, 7 entries each, 8 for quantized rows; see
-:class:`~qfilters_mlx.cache.persistence.PersistenceMixin`). The mixin reads the batch's
+:mod:`qfilters_mlx.cache.persistence`). The mixin reads the batch's
 ``caches``, ``_skip`` and ``_remaining`` and rebuilds it with ``__init__(rows)``.
 """
 
@@ -24,7 +24,7 @@ class BatchStorageMixin:
     def bits(self) -> int:
         """The rows' ``kv_bits`` (mlx-lm's attention takes the quantized path when a cache has
         ``bits``); absent (``AttributeError``) when the rows store K/V unquantized."""
-        bits = self.caches[0].config.kv_bits if self.caches else None
+        bits = getattr(self.caches[0], "bits", None) if self.caches else None
         if bits is None:
             raise AttributeError("bits")
         return bits
@@ -33,7 +33,7 @@ class BatchStorageMixin:
     def group_size(self) -> int:
         """The rows' ``kv_group_size``; absent when the rows are unquantized (see :attr:`bits`)."""
         self.bits  # noqa: B018 - raises AttributeError for unquantized rows
-        return self.caches[0].config.kv_group_size
+        return self.caches[0].group_size
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "BatchStorageMixin":
         """The batch with every row converted by ``QFiltersKVCache.to_quantized`` (each row

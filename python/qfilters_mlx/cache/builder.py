@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
 from qfilters_mlx.config import KVCacheConfig
 from qfilters_mlx.recent_config import per_layer_table
 from qfilters_mlx.model_info import (BOUNDED_CACHES, CacheSlot, default_caches, probe_layout,
@@ -265,8 +265,7 @@ class KVCacheBuilder:
             cfg = config.with_head_dim(s.key_dim)
             if table:  # per-head windows of budgeted slot i (rows follow the filters' order)
                 cfg = replace(cfg, qfilters_recent=config.layer_recent(i))
-            c = QFiltersKVCache(cfg, layer_idx=s.layer,
-                                filters=None if filters is None else filters[i])
+            c = build_cache(cfg, layer_idx=s.layer, filters=None if filters is None else filters[i])
             c.keep_last_kv = s.path in shared_kv
             replace_at(caches, s.path, c)
         keys = {s.path for s in budgeted}

@@ -1,9 +1,11 @@
-"""Filter calibration of ``QFiltersKVCache`` (mixin): when a cache can score, freezing the
-online Q-Filter from the first ``calib_tokens`` keys or queries, and receiving queries.
+"""Online filter calibration of ``QFiltersKVCache``: pure functions the cache calls.
 
-Step 2 of an ``update_and_fetch`` call (:mod:`.kv_cache`): a key-based filter is frozen in
-the call that crosses ``calib_tokens``; a query-based one in :meth:`observe_queries`, once
-the first ``calib_tokens`` queries have arrived. Estimators in :mod:`..backends.reference`.
+A cache whose filter is not given (``qfilters_filter_source="queries"`` or ``"keys"``)
+freezes it from exactly the first ``calib_tokens`` tokens it sees: a key-based filter in
+the ``update_and_fetch`` call that crosses ``calib_tokens``, a query-based one in
+``observe_queries`` once the first ``calib_tokens`` queries have arrived
+(:mod:`qfilters_mlx.cache.kv_cache` decides when; this module computes). Estimators in
+:mod:`qfilters_mlx.backends.reference` (Godey et al. 2025, arXiv:2503.02812, Sec. 3).
 """
 
 from __future__ import annotations
@@ -12,81 +14,56 @@ import mlx.core as mx
 
 from qfilters_mlx.backends import reference
 
+__all__ = ["check_queries", "estimate_filter", "first_queries"]
 
-class CalibrationMixin:
-    """The filter's life cycle: ``filter`` is ``None`` until calibration (online sources),
-    then fixed; a filter given to the constructor (``filter_fixed``) needs none."""
 
-    @property
-    def _needs_filter(self) -> bool:
-        return self.method == "qfilters" and not self.filter_fixed
+def estimate_filter(config, keys: mx.array, queries: mx.array | None) -> mx.array:
+    """The ``[H_kv, D]`` float32 filter of ``config``'s online source.
 
-    @property
-    def _calibrates_from_queries(self) -> bool:
-        return self._needs_filter and self.config.needs_queries
+    Args:
+        config: the cache's ``KVCacheConfig`` (``qfilters_filter_source``, ``qfilters_sign``,
+            ``qfilters_calib_tokens``).
+        keys: ``[B, H_kv, >= calib, D]`` full-precision keys of the first tokens.
+        queries: ``[B, H_q, >= calib, D]`` their post-RoPE queries (``"queries"`` source or
+            ``qfilters_sign="auto"``), else unused.
 
-    @property
-    def needs_queries(self) -> bool:
-        """Whether the cache still waits for queries (query-based filter not estimated yet)."""
-        return self._calibrates_from_queries and self.filter is None
+    Returns:
+        ``queries``: the queries' top singular direction per KV head; ``keys``: the keys'
+        (key-SVD), turned towards the queries per head with ``qfilters_sign="auto"``.
+    """
+    c = config.qfilters_calib_tokens
+    if config.qfilters_filter_source == "queries":
+        return reference.estimate_filter_from_queries(queries[:, :, :c], keys.shape[1])
+    f = reference.estimate_filter_from_keys(keys[:, :, :c])
+    if config.qfilters_sign == "auto":
+        f = f * reference.query_orientation(f, queries[:, :, :c])[:, None]
+    return f
 
-    @property
-    def scoring_ready(self) -> bool:
-        """Whether new tokens can be scored (the filter exists, or none is needed)."""
-        return not self._needs_filter or self.filter is not None
 
-    def _calibrate(self) -> None:
-        """Freeze the filter from exactly the first ``calib_tokens`` keys (and, for
-        query-based configs, queries); score all live rows.
+def check_queries(queries, layout: tuple | None, offset: int) -> None:
+    """Raise unless ``queries`` (``observe_queries``' argument) fit a cache whose inputs
+    are ``layout = (B, H_kv, D, ...)`` (``None``: nothing stored yet) at ``offset``.
 
-        Called only before any eviction, when rows ``[0, calib_tokens)`` are the
-        first ``calib_tokens`` tokens ever fed.
-        """
-        cfg = self.config
-        c = cfg.qfilters_calib_tokens
-        if cfg.qfilters_filter_source == "queries":
-            f = reference.estimate_filter_from_queries(self._queries[:, :, :c], self.keys.shape[1])
-        else:
-            f = reference.estimate_filter_from_keys(self.keys[:, :, :c])
-            if cfg.qfilters_sign == "auto":
-                f = f * reference.query_orientation(f, self._queries[:, :, :c])[:, None]
-        self.filter = f  # (queries are kept until the first eviction: trim may undo this)
-        n = self._n
-        self.scores[:, :, :n] = self._score(self.keys[:, :, :n], self.positions[:, :, :n])
+    Raises:
+        ValueError: not a 4-D ``mx.array``, no update before it, or a shape that does not fit
+            (``B`` equal, ``H_q`` a multiple of ``H_kv``, ``D`` equal, ``L <= offset``).
+    """
+    if not isinstance(queries, mx.array) or queries.ndim != 4 or layout is None:
+        raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
+    B, H, D = layout[:3]
+    if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != D
+            or queries.shape[2] > offset):
+        raise ValueError(f"queries {tuple(queries.shape)} do not fit the cache "
+                         f"(B={B}, H_kv={H}, D={D}, offset={offset})")
 
-    def observe_queries(self, queries: mx.array) -> None:
-        """Receive this call's post-RoPE queries ``[B, H_q, L, D]`` (from ``observe_queries``).
 
-        Called after ``update_and_fetch`` of the same call (attention runs after
-        the cache returns keys). Keeps the first ``calib_tokens`` queries; once
-        they are all there, freezes the filter, scores the stored tokens and
-        evicts down to the budget, exactly as a key-based cache does at the end
-        of the call that crosses ``calib_tokens``.
-
-        Raises:
-            ValueError: ``queries`` not a 4-D array, no update before it, or a shape that
-                does not fit the cache (the message names both), before anything changes.
-        """
-        if not self.needs_queries:
-            self._queries_pending = False
-            return
-        if not isinstance(queries, mx.array) or queries.ndim != 4 or self.keys is None:
-            raise ValueError("queries must be an mx.array [B, H_q, L, D] observed after an update")
-        B, H, D = self._input_layout()[:3]
-        if (queries.shape[0] != B or queries.shape[1] % H or queries.shape[3] != D
-                or queries.shape[2] > self.offset):
-            raise ValueError(f"queries {tuple(queries.shape)} do not fit the cache "
-                             f"(B={B}, H_kv={H}, D={D}, offset={self.offset})")
-        self._queries_pending = False
-        self._note_observed(queries)
-        c = self.config.qfilters_calib_tokens
-        have = 0 if self._queries is None else self._queries.shape[2]
-        need = min(c, self.offset) - have
-        if need > 0:
-            new = queries[:, :, :need]  # this call's rows start at token `have`
-            self._queries = new if self._queries is None else mx.concatenate([self._queries, new], axis=2)
-        if self._queries is not None and self._queries.shape[2] >= c:
-            self._calibrate()
-            if self._n > self._budget_now():
-                self._evict()
-            mx.async_eval(self.positions, self.scores)
+def first_queries(kept: mx.array | None, queries: mx.array, calib_tokens: int, offset: int):
+    """The first ``min(calib_tokens, offset)`` queries ever observed: ``kept`` (``[B, H_q,
+    have, D]`` or ``None``) followed by the head of this call's ``queries`` (whose first row
+    is token ``have``); ``kept`` itself when it already holds them."""
+    have = 0 if kept is None else kept.shape[2]
+    need = min(calib_tokens, offset) - have
+    if need <= 0:
+        return kept
+    new = queries[:, :, :need]
+    return new if kept is None else mx.concatenate([kept, new], axis=2)

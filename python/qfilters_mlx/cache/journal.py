@@ -34,6 +34,13 @@ What a record holds (``B, H = batch, KV heads``; bytes are counted in ``nbytes``
 A rewind deeper than the journal raises ``ValueError`` before changing
 anything. Saved prompt caches do not carry the journal: a reloaded cache
 rewinds only what it has seen since it was loaded.
+
+This module holds the records, :class:`RewindJournal` (the records of the newest calls)
+and pure functions on the cache's row arrays ``rows = (keys, values, scores, positions)``
+(each ``[B, H, capacity, ...]``): what an eviction dropped (:func:`dropped_rows`), and
+what undoing one record gives back (:func:`undo_step`, :func:`undo_layout`,
+:func:`undo_call_rows`, :func:`call_head_rows`). ``QFiltersKVCache.trim``
+(:mod:`qfilters_mlx.cache.kv_cache`) pops the records and applies these.
 """
 
 from __future__ import annotations
@@ -194,3 +201,66 @@ def to_slots(arrays: tuple, order: mx.array) -> tuple:
         idx = order.astype(mx.int32)
         out.append(mx.put_along_axis(buf, idx[..., None] if a.ndim == 4 else idx, a, axis=2))
     return tuple(out)
+
+
+def _put_slot(a: mx.array, free: mx.array, rows: mx.array) -> mx.array:
+    return mx.put_along_axis(a, free[:, :, None, None] if a.ndim == 4 else free[:, :, None], rows, axis=2)
+
+
+def undo_step(rows: tuple, record: StepRecord, write_slot) -> tuple:
+    """``(rows, free, victim rows)`` before the slot-mode decode step ``record`` undoes
+    (``rows`` after it; ``write_slot``: the backend's in-place K/V slot write). A step that
+    entered slot mode drops the spare slot (``free`` None) and gets back the buffers'
+    size before it; any other puts back the rows its slot held (when they were kept)."""
+    keys, values, scores, positions = rows
+    if record.free is None:  # the step entered slot mode: drop the spare slot
+        n, cap = record.n, record.scores.shape[2]  # (cap: the buffers' rows before the step)
+        rows = (pad_rows(keys[:, :, :n], cap), pad_rows(values[:, :, :n], cap),
+                record.scores, record.positions)
+        return rows, None, record.rows
+    f = record.free
+    if record.rows is not None:  # (else the slot's old content was never needed)
+        k, v, sc, p = record.rows
+        rows = (write_slot(keys, k, f), write_slot(values, v, f),
+                mx.put_along_axis(scores, f[:, :, None], sc, axis=2),
+                mx.put_along_axis(positions, f[:, :, None], p, axis=2))
+    return rows, f, record.rows
+
+
+def undo_layout(rows: tuple, n: int, slots: tuple) -> tuple:
+    """``(rows, free, victim rows)``: the ``n`` temporal rows back in the slot layout
+    ``slots = (order, free, free-slot rows)`` that a :class:`LayoutRecord` (or a
+    :class:`CallRecord` that started in slot mode) left."""
+    order, free, victim = slots
+    rows = to_slots(tuple(a[:, :, :n] for a in rows), order)
+    if victim is not None:  # the free slot's rows (needed if a deeper step is undone)
+        rows = tuple(_put_slot(a, free, r) for a, r in zip(rows, victim))
+    return rows, free, victim
+
+
+def _pool(rows: tuple, n: int, record: CallRecord) -> tuple:
+    """The ``n`` live rows followed by the rows the call's eviction dropped."""
+    return tuple(mx.concatenate([a[:, :, :n], d], axis=2) for a, d in zip(rows, record.dropped))
+
+
+def undo_call_rows(rows: tuple, n: int, record: CallRecord) -> tuple:
+    """The row arrays before the multi-token call ``record`` (``rows`` after it, ``n`` live):
+    unchanged when the call evicted nothing, else its ``record.n`` rows before the call in
+    temporal order, padded to the buffers' size then (when it did not start in slot mode)."""
+    if record.dropped is None:
+        return rows
+    before = rows_between(_pool(rows, n, record), -1, record.offset, record.n)
+    if record.slots is None:  # the buffers' size before the call (step blocks: before the
+        # first eviction, compress-once growth); a slot layout is rebuilt by undo_layout
+        before = tuple(pad_rows(a, record.capacity) for a in before)
+    return before
+
+
+def call_head_rows(rows: tuple, n: int, record: CallRecord, m: int) -> tuple:
+    """The K/V rows ``[B, H, m, D]`` of the first ``m`` tokens of the call ``record``
+    (``rows`` after it, ``n`` live): re-applied when a rewind ends inside the call."""
+    keys, values = rows[:2]
+    if record.dropped is None:  # nothing evicted by the call: its rows follow the old ones
+        return keys[:, :, record.n : record.n + m], values[:, :, record.n : record.n + m]
+    k, v, _, _ = rows_between(_pool(rows, n, record), record.offset, record.offset + m, m)
+    return k, v

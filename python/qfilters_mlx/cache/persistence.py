@@ -1,14 +1,23 @@
-"""Saving, loading and copying ``QFiltersKVCache`` (mixin).
+"""Saving, loading and copying ``QFiltersKVCache``: the format, as pure functions.
 
-* ``state`` / ``from_state``: what mlx-lm's ``save_prompt_cache`` /
-  ``load_prompt_cache`` store; a cache saved in the middle of a decode (slot
-  mode) reloads in the same slot layout, so it continues bit for bit like an
-  uninterrupted run. The rewind journal is not saved: a reloaded cache can
-  rewind only what it has seen since (a deeper ``trim`` raises).
-* ``to_quantized``: :mod:`.quantized` (``QFiltersKVCache.to_quantized``).
-* pickling and ``copy.deepcopy``: the resolved kernel backend (a table of
-  compiled functions, not picklable) is stored by name and resolved again;
-  everything else (arrays, journal) is copied, so copies are independent.
+The cache (:mod:`qfilters_mlx.cache.kv_cache`) describes itself as a :class:`Snapshot`
+and restores itself from one; this module turns a snapshot into the ``state`` tuple
+mlx-lm's ``save_prompt_cache`` stores (:func:`encode`) and back, checking everything
+(:func:`decode`), and prepares the attribute dicts of pickling and ``copy.deepcopy``
+(:func:`for_pickle`, :func:`from_pickle`).
+
+* ``state`` = ``(keys, values, scores, positions, filter, queries, meta)`` plus, for
+  ``QuantizedQFiltersKVCache``, the entries its storage adds
+  (:meth:`~qfilters_mlx.cache.quantized.QuantizedRows.saved`). The rows are in temporal
+  order; ``meta`` is a JSON string: the configuration (with the build options the cache
+  uses: ``qfilters_backend``, ``qfilters_max_rewind``, ``kv_bits``, ``kv_group_size``),
+  the scalar attributes and the slot layout. A cache saved in the middle of a decode
+  (slot mode) reloads in the same slot layout, so it continues bit for bit like an
+  uninterrupted run. The rewind journal is not saved: a reloaded cache can rewind only
+  what it has seen since (a deeper ``trim`` raises).
+* copies: the resolved kernel backend (a table of compiled functions, not picklable) is
+  stored by name and resolved again; everything else (arrays, journal, storage) is
+  copied, so copies are independent.
 """
 
 from __future__ import annotations
@@ -20,121 +29,166 @@ import os
 import mlx.core as mx
 
 from qfilters_mlx.backends.dispatch import get_backend
-from qfilters_mlx.cache.journal import RewindJournal, to_slots
+from qfilters_mlx.cache.journal import to_slots
+from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.config import KVCacheConfig
 
+__all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle"]
 
-class PersistenceMixin:
-    """``state`` (getter/setter), ``__getstate__`` / ``__setstate__``."""
+_ENTRIES = 7  # (keys, values, scores, positions, filter, queries, meta)
 
-    @property
-    def state(self):
-        """``(keys, values, scores, positions, filter, queries, meta)``: the live rows
-        in temporal order (``[B, H_kv, size(), D]``, scores float32 and positions
-        int64 ``[B, H_kv, size()]``), the ``[H_kv, D]`` filter, the first queries kept
-        for query-based calibration (until the first eviction) and a JSON string.
 
-        ``meta`` carries the configuration, the scalar attributes (offset as a
-        string: exact beyond 2**31, layer index, eviction flag) and, in slot mode,
-        the slot of every row and the free slot (``"slots"``), and in compress-once
-        mode the compression's kept rows and offset (``"compressed"``), so that mlx-lm's
-        ``save_prompt_cache`` / ``load_prompt_cache`` round-trip the cache exactly.
-        Arrays are ``None`` while the cache is empty. Reading it changes nothing.
-        """
-        keys, values, scores, positions = self._temporal()
-        cfg = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        if not isinstance(cfg["qfilters_filters"], str):
-            cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
-        meta = {
-            "config": cfg,
-            "filter_fixed": self.filter_fixed,
-            "offset": str(self.offset),
-            "layer_idx": self.layer_idx,
-            "evicted": self.evicted,
-        }
-        if self._compressed is not None:  # compress-once mode: (rows kept, offset then)
-            meta["compressed"] = [self._compressed[0], str(self._compressed[1])]
-        if self._saw_chunk:
-            meta["saw_chunk"] = True
-        if self.keep_last_kv:
-            meta["keep_last_kv"] = True
-        if self._free is not None:
-            meta["slots"] = {"order": self._slot_order().tolist(), "free": self._free.tolist()}
-        return (keys, values, scores, positions, self.filter, self._queries, json.dumps(meta))
+@dataclasses.dataclass
+class Snapshot:
+    """Everything a saved cache holds (the rewind journal excepted).
 
-    @state.setter
-    def state(self, v):
-        # Parse and check everything before touching the cache.
-        if not isinstance(v, (tuple, list)) or len(v) != 7:
-            raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta)")
-        keys, values, scores, positions, filt, queries, meta = v
-        try:
-            meta = json.loads(meta)
-            fields = dict(meta["config"])
-            path = fields.get("qfilters_filters")
-            if isinstance(path, str) and not os.path.isfile(path):
-                fields["qfilters_filters"] = None  # moved since saving: the layer's slice is `filter`
-            config = KVCacheConfig(**fields)
-            scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
-                       bool(meta["filter_fixed"]))
-            compressed = meta.get("compressed")
-            if compressed is not None:
-                compressed = (int(compressed[0]), int(compressed[1]))
-            saw_chunk = bool(meta.get("saw_chunk", False))
-            keep_last_kv = bool(meta.get("keep_last_kv", False))
-            slots = meta.get("slots")
-            if slots is not None:
-                order = mx.array(slots["order"], dtype=mx.int32)
-                free = mx.array(slots["free"], dtype=mx.int32)
-        except (TypeError, ValueError, KeyError) as err:
-            raise ValueError(f"state: bad meta ({err})") from err
-        arrays = (keys, values, scores, positions)
-        if any(a is None for a in arrays) and not all(a is None for a in arrays):
-            raise ValueError("state: keys, values, scores and positions must all be set or all None")
-        if keys is not None:
-            n = keys.shape[2]
-            if (keys.ndim != 4 or values.shape[:3] != keys.shape[:3] or scores.shape != keys.shape[:3]
-                    or positions.shape != keys.shape[:3] or scalars[1] < n):
-                raise ValueError("state: keys/values/scores/positions shapes disagree with each other "
-                                 "or with the offset")
-        if slots is not None and (keys is None or order.shape != keys.shape[:3]
-                                  or free.shape != keys.shape[:2]):
-            raise ValueError("state: meta 'slots' does not match the rows")
-        if (config.kv_bits is not None) != hasattr(type(self), "bits"):
-            raise ValueError(f"state: kv_bits={config.kv_bits} was saved by another cache class than "
-                             f"{type(self).__name__} (QuantizedQFiltersKVCache stores kv_bits caches)")
-        if config.method == "full" and scalars[2]:
-            raise ValueError("state: meta says evicted=True for method='full', which never evicts")
-        backend = get_backend(config.qfilters_backend)
-        self._free = None
-        self._victim_rows = None
-        self._journal = RewindJournal(0 if config.method == "full" else config.qfilters_max_rewind)
-        self.config, self.backend = config, backend
-        self.layer_idx, self.offset, self.evicted, self.filter_fixed = scalars
-        self.queries_observed = False
-        self._queries_pending = False
-        self._queries = queries
-        self._n = 0 if keys is None else keys.shape[2]
+    ``rows``: ``(keys, values, scores, positions)``, in temporal order in :func:`encode`'s
+    input, in the stored layout (slot layout when ``free`` is set) in :func:`decode`'s
+    output; ``None`` each while empty. ``slot_order``: ``[B, H_kv, S-1]`` int32 slot of
+    each temporal row, with ``free [B, H_kv]`` the free slot (slot mode), else ``None``.
+    ``build``: ``(backend name, max_rewind, bits, group_size)``. ``storage``: the quantized
+    storage (``None`` for dense rows). ``compressed``: ``(rows kept, offset)`` of a
+    compress-once compression, or ``None``.
+    """
+
+    config: KVCacheConfig
+    build: tuple
+    layer_idx: int
+    offset: int
+    evicted: bool
+    filter_fixed: bool
+    rows: tuple
+    filter: mx.array | None
+    queries: mx.array | None
+    compressed: tuple | None = None
+    saw_chunk: bool = False
+    keep_last_kv: bool = False
+    slot_order: mx.array | None = None
+    free: mx.array | None = None
+    storage: QuantizedRows | None = None
+
+
+def encode(s: Snapshot) -> tuple:
+    """The ``state`` tuple of a snapshot (rows in temporal order)."""
+    cfg = {f.name: getattr(s.config, f.name) for f in dataclasses.fields(s.config)}
+    if not isinstance(cfg["qfilters_filters"], str):
+        cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
+    names = ("qfilters_backend", "qfilters_max_rewind", "kv_bits", "kv_group_size")
+    cfg.update({k: v for k, v in zip(names, s.build) if v is not None})  # (None: the config's)
+    meta = {
+        "config": cfg,
+        "filter_fixed": s.filter_fixed,
+        "offset": str(s.offset),
+        "layer_idx": s.layer_idx,
+        "evicted": s.evicted,
+    }
+    if s.compressed is not None:  # compress-once mode: (rows kept, offset then)
+        meta["compressed"] = [s.compressed[0], str(s.compressed[1])]
+    if s.saw_chunk:
+        meta["saw_chunk"] = True
+    if s.keep_last_kv:
+        meta["keep_last_kv"] = True
+    if s.free is not None:
+        meta["slots"] = {"order": s.slot_order.tolist(), "free": s.free.tolist()}
+    extra = ()
+    if s.storage is not None:
+        extra_meta, extra = s.storage.saved()
+        meta.update(extra_meta)
+    return (*s.rows, s.filter, s.queries, json.dumps(meta), *extra)
+
+
+def _config(fields: dict) -> KVCacheConfig:
+    """The saved configuration (a ``qfilters_filters`` path that no longer exists is
+    dropped: the layer's slice is the saved ``filter``)."""
+    path = fields.get("qfilters_filters")
+    if isinstance(path, str) and not os.path.isfile(path):
+        fields["qfilters_filters"] = None  # moved since saving
+    return KVCacheConfig(**fields)
+
+
+def decode(v, quantized: bool, cls_name: str) -> Snapshot:
+    """The snapshot a saved ``state`` ``v`` describes, checked; rows in the stored layout.
+
+    Args:
+        quantized: whether the loading class stores quantized rows (8 entries, else 7);
+            cls_name: its name, for the messages.
+
+    Raises:
+        ValueError: not a tuple of 7 entries (8 for a quantized class), bad meta, rows whose
+            shapes disagree with each other or the offset, a slot layout that does not match
+            the rows, a state saved by the other cache class (``kv_bits`` set or not), or
+            ``evicted`` for ``method="full"``.
+    """
+    entries = _ENTRIES + 1 if quantized else _ENTRIES
+    if not isinstance(v, (tuple, list)) or len(v) != entries:
+        if quantized:
+            raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta, "
+                             "fp_keys) for a QuantizedQFiltersKVCache")
+        raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta)")
+    keys, values, scores, positions, filt, queries, meta = v[:_ENTRIES]
+    try:
+        meta = json.loads(meta)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"state: bad meta ({err})") from err
+    storage = QuantizedRows.loaded(meta, tuple(v[_ENTRIES:]), keys, values) if quantized else None
+    try:
+        fields = dict(meta["config"])
+        config = _config(fields)
+        build = (fields["qfilters_backend"], int(fields["qfilters_max_rewind"]),
+                 fields.get("kv_bits"), fields.get("kv_group_size"))
+        scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
+                   bool(meta["filter_fixed"]))
+        compressed = meta.get("compressed")
+        if compressed is not None:
+            compressed = (int(compressed[0]), int(compressed[1]))
+        saw_chunk = bool(meta.get("saw_chunk", False))
+        keep_last_kv = bool(meta.get("keep_last_kv", False))
+        slots = meta.get("slots")
         if slots is not None:
-            keys, values, scores, positions = to_slots(arrays, order)
-            self._free = free
-        self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
-        self.filter = filt
-        self._compressed, self._saw_chunk = compressed, saw_chunk
-        self.keep_last_kv, self._last_kv = keep_last_kv, None
+            order = mx.array(slots["order"], dtype=mx.int32)
+            free = mx.array(slots["free"], dtype=mx.int32)
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"state: bad meta ({err})") from err
+    rows = (keys, values, scores, positions)
+    if any(a is None for a in rows) and not all(a is None for a in rows):
+        raise ValueError("state: keys, values, scores and positions must all be set or all None")
+    if keys is not None:
+        n = keys.shape[2]
+        if (keys.ndim != 4 or values.shape[:3] != keys.shape[:3] or scores.shape != keys.shape[:3]
+                or positions.shape != keys.shape[:3] or scalars[1] < n):
+            raise ValueError("state: keys/values/scores/positions shapes disagree with each other "
+                             "or with the offset")
+    if slots is not None and (keys is None or order.shape != keys.shape[:3]
+                              or free.shape != keys.shape[:2]):
+        raise ValueError("state: meta 'slots' does not match the rows")
+    if (build[2] is not None) != quantized:
+        raise ValueError(f"state: kv_bits={build[2]} was saved by another cache class than "
+                         f"{cls_name} (QuantizedQFiltersKVCache stores kv_bits caches)")
+    if config.method == "full" and scalars[2]:
+        raise ValueError("state: meta says evicted=True for method='full', which never evicts")
+    get_backend(build[0])  # raises when the saved backend is not available here
+    snap = Snapshot(config, build, *scalars, rows, filt, queries, compressed, saw_chunk, keep_last_kv,
+                    storage=storage)
+    if slots is not None:
+        snap.rows, snap.slot_order, snap.free = to_slots(rows, order), order, free
+    return snap
 
-    # ------------------------------------------------------------- copies
-    def __getstate__(self) -> dict:
-        """Everything but the resolved backend, which is stored by name."""
-        d = dict(self.__dict__)
-        d["backend"] = self.backend.name
-        return d
 
-    def __setstate__(self, d: dict) -> None:
-        d = dict(d)
-        d["backend"] = get_backend(d["backend"])  # stored by name (__getstate__)
-        # A copy is not the cache an observe_queries block registered: it must be observed
-        # on its own before it may grow (never a silently unobserved copy).
-        d["queries_observed"] = False
-        d["_queries_pending"] = False
-        self.__dict__.update(d)
+def for_pickle(d: dict, backend_name: str) -> dict:
+    """``__getstate__``: a cache's attribute dict ``d`` with the backend stored by name."""
+    d = dict(d)
+    d["backend"] = backend_name
+    return d
+
+
+def from_pickle(d: dict) -> dict:
+    """``__setstate__``: the attribute dict of a copy, the backend resolved again by name.
+    A copy is not the cache an ``observe_queries`` block registered: it must be observed on
+    its own before it may grow (never a silently unobserved copy)."""
+    d = dict(d)
+    d["backend"] = get_backend(d["backend"])  # stored by name (for_pickle)
+    d["queries_observed"] = False
+    d["_queries_pending"] = False
+    return d

@@ -1,5 +1,6 @@
-"""Quantized storage of the kept keys/values (``KVCacheConfig.kv_bits``): the mixin of
-``QuantizedQFiltersKVCache`` (:mod:`qfilters_mlx.cache.kv_cache`).
+"""Quantized storage of the kept keys/values: :class:`QuantizedRows`, the storage component
+of ``QuantizedQFiltersKVCache`` (:mod:`qfilters_mlx.cache.kv_cache`; ``QFiltersKVCache``
+has the dense one, which stores rows as given), and the row format.
 
 Rows are quantized exactly as mlx-lm's ``QuantizedKVCache`` quantizes them:
 ``mx.quantize(x, group_size, bits)`` along the head dimension of each ``[B, H_kv, L, D]``
@@ -19,21 +20,19 @@ Scores come from the full-precision keys at insertion, before quantization (the
 engine scores the input keys; only storage is quantized), so the kept set is the one
 the unquantized cache keeps. The online filter and the scores of rows stored before
 it exists need full-precision keys too: until the first eviction the cache also keeps
-``_fp_keys`` (the full-precision keys of the rows not scored yet, then of the first
+``fp_keys`` (the full-precision keys of the rows not scored yet, then of the first
 ``calib_tokens`` rows, for a trim back into calibration), counted in ``nbytes``.
+
+A storage component has no view of the cache: the cache passes what each method needs
+(the new rows, the stored buffers, the row count) and says when the filter is calibrated
+and when rows are evicted.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
 import mlx.core as mx
 
-from qfilters_mlx.cache.journal import RewindJournal
-from qfilters_mlx.cache.persistence import PersistenceMixin
-
-__all__ = ["QuantizedStorageMixin", "pack_rows", "row_words", "unpack_rows"]
+__all__ = ["QuantizedRows", "pack_rows", "row_words", "unpack_rows"]
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -59,152 +58,93 @@ def unpack_rows(buf: mx.array, dim: int, dtype, group_size: int, bits: int) -> t
     return buf[..., :p], sb[..., :g], sb[..., g:]
 
 
-class QuantizedStorageMixin:
-    """Quantized K/V storage on top of ``QFiltersKVCache`` (see the module docstring).
+class QuantizedRows:
+    """K/V rows stored quantized (see the module docstring); the dense storage of
+    ``QFiltersKVCache`` has the same methods.
 
     Attributes:
-        bits, group_size: ``config.kv_bits`` / ``config.kv_group_size`` (mlx-lm's attention
-            reads them; their presence selects the quantized attention path).
+        bits, group_size: ``mx.quantize``'s ``bits`` / ``group_size``.
+        kv_format: ``(D_k, D_v, dtype name)`` of the input rows (``None`` before the first).
+        fp_keys: ``[B, H_kv, m, D_k]`` full-precision keys kept until the first eviction
+            (see the module docstring), or ``None``.
     """
 
-    def __init__(self, config, layer_idx: int = 0, filters=None):
-        super().__init__(config, layer_idx, filters)
-        if config.kv_bits is None:
-            raise ValueError(f"{type(self).__name__} needs config.kv_bits (2, 4 or 8), got None")
-        self._kv_format = None  # (D_k, D_v, dtype name) of the input rows
-        self._fp_keys = None  # [B, H, m, D_k] full-precision keys (see the module docstring)
+    def __init__(self, bits: int, group_size: int, kv_format: tuple | None = None, fp_keys=None):
+        self.bits, self.group_size = bits, group_size
+        self.kv_format = kv_format
+        self.fp_keys = fp_keys
 
-    @property
-    def bits(self) -> int:
-        return self.config.kv_bits
-
-    @property
-    def group_size(self) -> int:
-        return self.config.kv_group_size
-
-    # ------------------------------------------------------------ storage
-    def _pack(self, x: mx.array) -> mx.array:
-        return pack_rows(x, self.group_size, self.bits)
-
-    def _unpack(self, buf: mx.array, which: int) -> tuple:
-        dim = self._kv_format[which]
-        return unpack_rows(buf, dim, getattr(mx, self._kv_format[2]), self.group_size, self.bits)
-
-    def _store_rows(self, keys, values):
-        """Quantize the new rows; keep their full-precision keys while they cannot be scored yet."""
-        if self._kv_format is None:
-            self._kv_format = (keys.shape[3], values.shape[3], str(keys.dtype).rsplit(".", 1)[-1])
-        if self._needs_filter and not self.evicted and not self.scoring_ready:
-            n, old = self._n, self._fp_keys
-            self._fp_keys = keys if old is None or n == 0 else mx.concatenate([old[:, :, :n], keys], axis=2)
-        return self._pack(keys), self._pack(values)
-
-    def _input_layout(self) -> tuple:
-        B, H = self.keys.shape[:2]
-        dk, dv, dtype = self._kv_format
-        return B, H, dk, dv, getattr(mx, dtype)
-
-    def _validate(self, keys, values) -> None:
+    def check(self, keys, values) -> None:
+        """Raise ``ValueError`` when a head dimension of the new rows is not a multiple of
+        ``group_size`` (before any other check of ``update_and_fetch``)."""
         g = self.group_size
         for name, x in (("keys", keys), ("values", values)):
             if isinstance(x, mx.array) and x.ndim == 4 and x.shape[3] % g:
                 raise ValueError(f"{name} head_dim {x.shape[3]} is not a multiple of kv_group_size "
                                  f"{g} (kv_bits={self.bits})")
-        super()._validate(keys, values)
 
-    # ------------------------------------------------------- engine hooks
-    def _calibrate(self) -> None:
-        """Calibrate and score from the full-precision keys (then keep only the first
-        ``calib_tokens`` of them, for a trim back into calibration)."""
-        n, c = self._n, self.config.qfilters_calib_tokens
-        stored = self.keys
-        self.keys = self._fp_keys[:, :, :n]
-        try:
-            super()._calibrate()
-        finally:
-            self.keys = stored
-        self._fp_keys = self._fp_keys[:, :, : min(n, c)]
+    def pack(self, x: mx.array) -> mx.array:
+        """``x [..., D]`` as stored rows ``uint32 [..., row_words(D)]``."""
+        return pack_rows(x, self.group_size, self.bits)
 
-    def _evict(self) -> None:
-        super()._evict()
-        self._fp_keys = None  # no trim can reach calibration any more
+    def store(self, keys, values, n: int = 0, hold: bool = False) -> tuple:
+        """The new rows as stored; with ``hold`` (the rows cannot be scored yet) their
+        full-precision keys are kept after the first ``n`` held ones."""
+        if self.kv_format is None:
+            self.kv_format = (keys.shape[3], values.shape[3], str(keys.dtype).rsplit(".", 1)[-1])
+        if hold:
+            old = self.fp_keys
+            self.fp_keys = keys if old is None or n == 0 else mx.concatenate([old[:, :, :n], keys], axis=2)
+        return self.pack(keys), self.pack(values)
 
-    def _update(self, keys, values):
-        k, v = super()._update(keys, values)
-        return self._unpack(k, 0), self._unpack(v, 1)
+    def fetch(self, keys, values) -> tuple:
+        """What attention reads from stored rows: ``(packed, scales, biases)`` of each."""
+        return self.unpack(keys, 0), self.unpack(values, 1)
 
-    # ------------------------------------------------------- conversion
-    @classmethod
-    def from_cache(cls, cache, group_size: int = 64, bits: int = 4):
-        """``cache`` (a ``QFiltersKVCache``) with its stored K/V quantized: the same kept
-        rows, scores, positions, filter and slot layout, so it continues exactly as a cache
-        built with ``kv_bits`` would from here (scores were computed at full precision).
-        A cache already quantized with these ``bits`` / ``group_size`` is returned as is.
+    def unpack(self, buf: mx.array, which: int) -> tuple:
+        """``(packed, scales, biases)`` of stored rows ``buf`` (``which``: 0 keys, 1 values)."""
+        dim = self.kv_format[which]
+        return unpack_rows(buf, dim, getattr(mx, self.kv_format[2]), self.group_size, self.bits)
 
-        Raises:
-            ValueError: other bits/group size than a quantized ``cache`` already has; a
-                cache still waiting for the queries of its filter (``offset <
-                calib_tokens``: mlx-lm's ``quantized_kv_start`` below ``calib_tokens``);
-                invalid ``bits`` / ``group_size`` or ``qfilters_max_rewind > 0`` (see
-                ``KVCacheConfig``); a head dimension not a multiple of ``group_size``.
-        """
-        if hasattr(cache, "bits"):
-            if (cache.bits, cache.group_size) == (bits, group_size):
-                return cache
-            raise ValueError(f"cache is quantized with kv_bits={cache.bits}, kv_group_size="
-                             f"{cache.group_size}; cannot requantize to {bits}, {group_size}")
-        if cache.needs_queries:
-            raise ValueError(
-                f"layer {cache.layer_idx}: cannot quantize the cache before its filter is estimated "
-                f"from queries (offset {cache.offset} < qfilters_calib_tokens "
-                f"{cache.config.qfilters_calib_tokens}): use quantized_kv_start >= calib_tokens, "
-                "or KVCacheConfig(kv_bits=...) to quantize from the first token")
-        config = dataclasses.replace(cache.config, kv_bits=bits, kv_group_size=group_size)
-        new = cls.__new__(cls)
-        new.__dict__.update(cache.__dict__)
-        new.config, new._kv_format, new._fp_keys = config, None, None
-        new._journal = RewindJournal(0)
-        if cache.keys is not None:
-            d = (cache.keys.shape[3], cache.values.shape[3])
-            if d[0] % group_size or d[1] % group_size:
-                raise ValueError(f"head_dim {d} is not a multiple of kv_group_size {group_size}")
-            new._kv_format = (*d, str(cache.keys.dtype).rsplit(".", 1)[-1])
-            if cache._needs_filter and not cache.evicted:
-                m = min(cache._n, config.qfilters_calib_tokens) if cache.scoring_ready else cache._n
-                new._fp_keys = cache.keys[:, :, :m]
-            new.keys, new.values = new._pack(cache.keys), new._pack(cache.values)
-        return new
+    def layout(self, keys, values) -> tuple:
+        """``(B, H_kv, D_k, D_v, dtype)`` of the input rows (stored ``keys`` non-empty)."""
+        B, H = keys.shape[:2]
+        dk, dv, dtype = self.kv_format
+        return B, H, dk, dv, getattr(mx, dtype)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Itself when already stored with these ``bits`` / ``group_size`` (mlx-lm calls
-        this at every step past ``quantized_kv_start``), else ``ValueError``."""
-        return type(self).from_cache(self, group_size=group_size, bits=bits)
+    def full_keys(self, keys, n: int) -> mx.array:
+        """The full-precision keys of the first ``n`` rows (held since they were stored)."""
+        return self.fp_keys[:, :, :n]
 
-    # ------------------------------------------------- bytes, save/load
+    def calibrated(self, n: int, calib_tokens: int) -> None:
+        """The filter is frozen: keep only the first ``calib_tokens`` held keys (a trim back
+        into calibration needs them again)."""
+        self.fp_keys = self.fp_keys[:, :, : min(n, calib_tokens)]
+
+    def evicted(self) -> None:
+        """Rows were evicted: no trim can reach calibration any more."""
+        self.fp_keys = None
+
     @property
     def nbytes(self) -> int:
-        """Bytes held: packed rows, scales and biases (the stored ``uint32`` rows), scores,
-        positions, filter, and the full-precision keys kept until the first eviction."""
-        extra = 0 if self._fp_keys is None else self._fp_keys.nbytes
-        return super().nbytes + extra
+        """Bytes held besides the stored rows: the full-precision keys."""
+        return 0 if self.fp_keys is None else self.fp_keys.nbytes
 
-    @property
-    def state(self):
-        """The unquantized cache's 7 entries (keys/values: the stored ``uint32`` rows; meta
-        adds ``kv_format``: ``[D_k, D_v, dtype]``) plus the full-precision keys kept until
-        the first eviction (``None`` when none)."""
-        *arrays, meta = PersistenceMixin.state.fget(self)
-        meta = json.loads(meta)
-        meta["kv_format"] = None if self._kv_format is None else list(self._kv_format)
-        return (*arrays, json.dumps(meta), self._fp_keys)
+    # ------------------------------------------------------------- save / load
+    def saved(self) -> tuple:
+        """``(meta entries, extra state entries)``: ``kv_format`` and the held keys."""
+        return {"kv_format": None if self.kv_format is None else list(self.kv_format)}, (self.fp_keys,)
 
-    @state.setter
-    def state(self, v):
-        if not isinstance(v, (tuple, list)) or len(v) != 8:
-            raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta, "
-                             "fp_keys) for a QuantizedQFiltersKVCache")
+    @staticmethod
+    def loaded(meta: dict, extra: tuple, keys, values) -> "QuantizedRows":
+        """The storage a saved state describes (``meta``: the parsed JSON meta; ``extra``: the
+        entries after it; ``keys``/``values``: the stored rows).
+
+        Raises:
+            ValueError: a bad ``kv_format``, or stored rows that do not match it at the
+                saved ``kv_bits`` / ``kv_group_size``.
+        """
         try:
-            meta = json.loads(v[6])
             fmt, cfg = meta.get("kv_format"), meta["config"]
             if fmt is not None:
                 fmt = (int(fmt[0]), int(fmt[1]), str(fmt[2]))
@@ -212,11 +152,10 @@ class QuantizedStorageMixin:
                     raise ValueError(f"dtype {fmt[2]!r}")
         except (TypeError, ValueError, KeyError, IndexError) as err:
             raise ValueError(f"state: bad meta ({err})") from err
-        keys, values = v[0], v[1]
         if (keys is None) != (fmt is None):
             raise ValueError("state: meta 'kv_format' must be given exactly when rows are")
+        bits, g = cfg.get("kv_bits"), cfg.get("kv_group_size")
         if keys is not None:
-            bits, g = cfg.get("kv_bits"), cfg.get("kv_group_size")
             dtype = getattr(mx, fmt[2])
             if not (isinstance(bits, int) and isinstance(g, int) and g > 0) or (
                     keys.dtype != mx.uint32 or values.dtype != mx.uint32
@@ -224,5 +163,23 @@ class QuantizedStorageMixin:
                     or values.shape[3] != row_words(fmt[1], dtype, g, bits)):
                 raise ValueError(f"state: stored rows {tuple(keys.shape)}, {tuple(values.shape)} do not "
                                  f"match kv_format {fmt} at kv_bits={bits}, kv_group_size={g}")
-        PersistenceMixin.state.fset(self, v[:7])
-        self._kv_format, self._fp_keys = fmt, v[7]
+        return QuantizedRows(bits, g, fmt, extra[0])
+
+    @staticmethod
+    def converted(keys, values, held_keys, bits: int, group_size: int) -> tuple:
+        """``(storage, stored keys, stored values)`` of dense rows ``keys``/``values``
+        (``None`` while empty) quantized; ``held_keys``: the full-precision keys the
+        quantized cache must hold (see the module docstring), or ``None``.
+
+        Raises:
+            ValueError: a head dimension not a multiple of ``group_size``.
+        """
+        new = QuantizedRows(bits, group_size)
+        if keys is None:
+            return new, None, None
+        d = (keys.shape[3], values.shape[3])
+        if d[0] % group_size or d[1] % group_size:
+            raise ValueError(f"head_dim {d} is not a multiple of kv_group_size {group_size}")
+        new.kv_format = (*d, str(keys.dtype).rsplit(".", 1)[-1])
+        new.fp_keys = held_keys
+        return new, new.pack(keys), new.pack(values)

@@ -40,7 +40,7 @@ class Arm:
         family: label that groups arms differing only by ``recent`` (tables, plots).
         filter_source: ``qfilters_filter_source`` (only read by ``qfilters``).
         cache_factory: optional ``(config, layer_idx) -> cache``; default
-            ``QFiltersKVCache(config, layer_idx)``.
+            ``build_cache(config, layer_idx)`` (:mod:`qfilters_mlx.cache.kv_cache`).
         extra: free-form settings recorded in results (JSON-serialisable).
     """
 
@@ -83,9 +83,9 @@ class Arm:
         """One layer's cache for this arm."""
         if self.cache_factory is not None:
             return self.cache_factory(config, layer_idx)
-        from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+        from qfilters_mlx.cache.kv_cache import build_cache
 
-        return QFiltersKVCache(config, layer_idx=layer_idx)
+        return build_cache(config, layer_idx=layer_idx)
 
     def describe(self, budget: int, n_sink: int) -> dict:
         """JSON-serialisable settings of this arm at ``budget``."""
@@ -142,9 +142,9 @@ def query_arms(filters=None, recent: Fraction = Fraction(1, 2)) -> list[Arm]:
     ]
     if filters is not None:
         def calibrated(config, layer_idx, _f=filters):
-            from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+            from qfilters_mlx.cache.kv_cache import build_cache
 
-            return QFiltersKVCache(config, layer_idx=layer_idx, filters=_f[layer_idx])
+            return build_cache(config, layer_idx=layer_idx, filters=_f[layer_idx])
 
         arms.append(Arm(name=f"qfilters-calibrated@r{label}", method="qfilters", sign=1,
                         recent=recent, family="qfilters-calibrated", cache_factory=calibrated))
@@ -159,10 +159,10 @@ def perhead_arm(filters, windows: dict) -> Arm:
     def per_head(config, layer_idx, _f=filters, _w=windows):
         from dataclasses import replace
 
-        from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+        from qfilters_mlx.cache.kv_cache import build_cache
 
         cfg = replace(config, qfilters_recent=_w[config.qfilters_budget])
-        return QFiltersKVCache(cfg, layer_idx=layer_idx, filters=_f[layer_idx])
+        return build_cache(cfg, layer_idx=layer_idx, filters=_f[layer_idx])
 
     return Arm(name="qfilters-perhead", method="qfilters", sign=1, recent=Fraction(0),
                family="qfilters-perhead", cache_factory=per_head,

@@ -4,7 +4,7 @@ Per KV head, the Spearman rank correlation (``scipy.stats.spearmanr``) between
 each method's score of the cached tokens (sinks excluded) and the attention
 those tokens receive from the next ``window`` queries (:func:`received_attention`,
 float64 numpy softmax, averaged over the GQA group). The scores come from the
-same functions the cache uses (:func:`qfilters_mlx.cache.scorers.insertion_scores`,
+same functions the cache uses (:func:`qfilters_mlx.cache.kv_cache.insertion_scores`,
 :mod:`qfilters_mlx.backends.reference`).
 """
 
@@ -71,7 +71,7 @@ def method_scores(keys: mx.array, layer: int, calib_tokens: int, seed: int, quer
     queries); with ``calibrated [Hkv, D]`` the offline filter of this layer.
     """
     from qfilters_mlx.backends import reference
-    from qfilters_mlx.cache.scorers import insertion_scores
+    from qfilters_mlx.cache.kv_cache import insertion_scores
 
     k = keys[None]  # [1, Hkv, T, D]
     T = k.shape[2]
