@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 from qfilters_mlx.config import KVCacheConfig
-from qfilters_mlx.recent_config import per_layer_table
+from qfilters_mlx.config import per_layer_table
 from qfilters_mlx.model_info import (BOUNDED_CACHES, CacheSlot, default_caches, probe_layout,
                                      replace_at, walk)
 

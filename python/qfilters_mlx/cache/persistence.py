@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -21,7 +20,7 @@ import mlx.core as mx
 
 from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.journal import RewindJournal, to_slots
-from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.config import config_from_state, config_to_state
 
 
 class PersistenceMixin:
@@ -42,7 +41,7 @@ class PersistenceMixin:
         Arrays are ``None`` while the cache is empty. Reading it changes nothing.
         """
         keys, values, scores, positions = self._temporal()
-        cfg = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        cfg = config_to_state(self.config)
         if not isinstance(cfg["qfilters_filters"], str):
             cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
         meta = {
@@ -74,7 +73,8 @@ class PersistenceMixin:
             path = fields.get("qfilters_filters")
             if isinstance(path, str) and not os.path.isfile(path):
                 fields["qfilters_filters"] = None  # moved since saving: the layer's slice is `filter`
-            config = KVCacheConfig(**fields)
+            config, options = config_from_state(fields)
+            config = config._carrying(options)
             scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
                        bool(meta["filter_fixed"]))
             compressed = meta.get("compressed")
