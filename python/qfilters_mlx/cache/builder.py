@@ -213,18 +213,29 @@ class KVCacheBuilder:
 
     def __init__(self, *, backend: str | None = None, max_rewind: int | None = None,
                  kv_bits: int | None = None, kv_group_size: int | None = None):
-        self.options = {"backend": backend, "max_rewind": max_rewind, "kv_bits": kv_bits,
-                        "kv_group_size": kv_group_size}
-        merge_options(None, self.options, OLD_BUILD_NAMES)  # checks the given ones now
+        self.backend, self.max_rewind = backend, max_rewind
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        merge_options(None, self._given(), OLD_BUILD_NAMES)  # checks the given ones now
+
+    def _given(self) -> dict:
+        return {"backend": self.backend, "max_rewind": self.max_rewind, "kv_bits": self.kv_bits,
+                "kv_group_size": self.kv_group_size}
 
     def __repr__(self) -> str:
-        given = ", ".join(f"{k}={v!r}" for k, v in self.options.items() if v is not None)
+        given = ", ".join(f"{k}={v!r}" for k, v in self._given().items() if v is not None)
         return f"KVCacheBuilder({given})"
 
-    def _options(self, config: KVCacheConfig, keywords: dict) -> BuildOptions:
-        """The build options for ``config``: ``keywords``, else this builder's, else carried."""
-        given = {k: keywords[k] if keywords.get(k) is not None else v for k, v in self.options.items()}
-        return merge_options(config._build_options, given, OLD_BUILD_NAMES)
+    def options_for(self, config: KVCacheConfig | None = None, **keywords) -> BuildOptions:
+        """The build options :meth:`for_model` uses for ``config`` (``None``: the default
+        configuration): each of ``keywords`` (``backend=`` ...) not ``None``, else this
+        builder's, else the value ``config`` carries from a deprecated spelling, else the
+        default.
+
+        Raises:
+            ValueError: a given option contradicts the configuration's deprecated value.
+        """
+        given = {k: keywords[k] if keywords.get(k) is not None else v for k, v in self._given().items()}
+        return merge_options(_checked(config)._build_options, given, OLD_BUILD_NAMES)
 
     @_BuilderMethod
     def for_model(self, model, config: KVCacheConfig | None = None, *, tokenizer=None,
@@ -294,7 +305,7 @@ class KVCacheBuilder:
 
     def _prepare(self, model, config, tokenizer, model_path, keywords):
         """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
-        options = self._options(config, keywords)
+        options = self.options_for(config, **keywords)
         from qfilters_mlx.sharding import check_shards, shard_info
 
         check_shards(model)  # a tensor-parallel rank holds whole KV heads
