@@ -180,7 +180,7 @@ def _trial_forward(model, budgeted: list[CacheSlot]) -> tuple:
 def _new_cache(cls, config: KVCacheConfig, layer_idx: int, filters, options: BuildOptions):
     """One eviction cache of class ``cls`` built with ``options`` (handed to the cache through
     the configuration's build-option attributes, which the cache classes read)."""
-    return cls(config._carrying(options), layer_idx=layer_idx, filters=filters)
+    return cls(config.with_build_options(options), layer_idx=layer_idx, filters=filters)
 
 
 class _BuilderMethod:

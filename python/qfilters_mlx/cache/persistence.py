@@ -74,7 +74,7 @@ class PersistenceMixin:
             if isinstance(path, str) and not os.path.isfile(path):
                 fields["qfilters_filters"] = None  # moved since saving: the layer's slice is `filter`
             config, options = config_from_state(fields)
-            config = config._carrying(options)
+            config = config.with_build_options(options)
             scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
                        bool(meta["filter_fixed"]))
             compressed = meta.get("compressed")

@@ -149,9 +149,18 @@ class KVCacheConfig(_Fields):
         """A copy with ``head_dim`` set (validated)."""
         return replace(self, head_dim=head_dim)
 
-    def _carrying(self, options: BuildOptions) -> "KVCacheConfig":
-        """A copy whose build-option attributes (``qfilters_backend``, ...) answer ``options``:
-        how a cache class that reads them from its config gets the builder's options."""
+    def with_build_options(self, options: BuildOptions) -> "KVCacheConfig":
+        """A copy that hands ``options`` to a cache made from it alone (``QFiltersKVCache(config)``
+        reads them as ``config.qfilters_backend`` ...), for code that passes one object to where
+        caches are made (evaluation arms, saved caches). Where caches are built, prefer the
+        keywords of ``KVCacheBuilder`` and the cache constructors.
+
+        Raises:
+            TypeError: ``options`` is not a :class:`BuildOptions`.
+            ValueError: ``kv_bits`` with a ``head_dim`` that is no multiple of the group size.
+        """
+        if not isinstance(options, BuildOptions):
+            raise TypeError(f"options must be a BuildOptions, got {type(options).__name__}")
         return replace(self, _build_options=options if options.given() else None)
 
     # -- the earlier spellings, read without a warning ----------------------------------
