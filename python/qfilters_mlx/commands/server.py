@@ -44,7 +44,7 @@ from pathlib import Path
 __all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
-_BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by run)
+_BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by run; None: defaults)
 
 DEFAULT_MAX_REWIND = 16
 """Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
@@ -95,6 +95,13 @@ def cache_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _builder():
+    """The :class:`~qfilters_mlx.cache.builder.KVCacheBuilder` of the server's build flags."""
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+
+    return _BUILDER if _BUILDER is not None else KVCacheBuilder()
+
+
 def _served(cache_args, model_path):
     """The names a request may use for what this server was started with (:class:`Served`)."""
     from qfilters_mlx.commands.server_requests import Served
@@ -110,7 +117,7 @@ def _served(cache_args, model_path):
         adapters = {cache_args.adapter_path, str(Path(cache_args.adapter_path).resolve())}
     return Served(model_names=names, draft_names=draft, adapter_names=adapters,
                   allow_switch=cache_args.allow_model_switch,
-                  max_rewind=_BUILDER.options_for(_CONFIG).max_rewind,
+                  max_rewind=_builder().options_for(_CONFIG).max_rewind,
                   has_draft=cache_args.draft_model is not None,
                   default_draft_tokens=cache_args.num_draft_tokens)
 
@@ -140,8 +147,8 @@ def _classes(served=None, max_body_bytes=None):
                 super()._load(model_path, adapter_path, draft_model_path)
                 folder = (model_path if isinstance(model_path, str) and Path(model_path).is_dir()
                           else None)
-                report = _BUILDER.install(self.model, _CONFIG, tokenizer=self.tokenizer,
-                                                model_path=folder)
+                report = _builder().install(self.model, _CONFIG, tokenizer=self.tokenizer,
+                                            model_path=folder)
                 draft = None
                 if self.draft_model is not None:  # its own folder's tokenizer when it has one;
                     # the served tokenizer only if the vocabularies agree (else its ids overrun)
@@ -149,7 +156,7 @@ def _classes(served=None, max_body_bytes=None):
                     d_folder = d if isinstance(d, str) and Path(d).is_dir() else None
                     same_vocab = (_vocab_size(self.draft_model, self.tokenizer)
                                   == _vocab_size(self.model, self.tokenizer))
-                    draft = _BUILDER.install(
+                    draft = _builder().install(
                         self.draft_model, _CONFIG, model_path=d_folder,
                         tokenizer=None if d_folder or not same_vocab else self.tokenizer)
             except Exception as err:
@@ -189,8 +196,7 @@ def __getattr__(name):  # QFiltersModelProvider / StoredConversations, built on 
 
 
 def _config(parser, args):
-    from qfilters_mlx.commands.cache_options import (builder_from_args, config_from_args,
-                                                     describe_config, warn_ignored)
+    from qfilters_mlx.commands.cache_options import config_from_args, describe_config, warn_ignored
 
     if args.method == "qfilters" and args.filters is None:
         if args.filter_source == "queries" or args.sign == "auto":
@@ -200,13 +206,14 @@ def _config(parser, args):
                          "`qfilters-mlx calibrate`, or --filter-source keys")
     warn_ignored(parser, args)
     config = config_from_args(parser, args)
-    return config, builder_from_args(parser, args), describe_config(config)
+    return config, describe_config(config)
 
 
 def run(parser, args, blas_library: str | None = None) -> int:
     """Parse the cache flags, print them, and run ``mlx_lm.server.main`` with the rest
     (and with this package's model provider, prompt cache, generation loop and handler)."""
     global _BUILDER, _CONFIG
+    from qfilters_mlx.commands.cache_options import builder_from_args
     from qfilters_mlx.commands.model_path import resolve_model
 
     argv = list(args.server_args)
@@ -220,7 +227,8 @@ def run(parser, args, blas_library: str | None = None) -> int:
     if cache_args.max_rewind is None and cache_args.method != "full" and not quantized:
         cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
                                     if cache_args.draft_model is not None else 0)
-    _CONFIG, _BUILDER, described = _config(ours, cache_args)
+    _CONFIG, described = _config(ours, cache_args)
+    _BUILDER = builder_from_args(ours, cache_args)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
                  "--num-draft-tokens", str(cache_args.num_draft_tokens)]
@@ -237,8 +245,8 @@ def run(parser, args, blas_library: str | None = None) -> int:
     else:
         rest.append("--help")
     server, provider, prompt_cache, generator, handler = _classes(served, cache_args.max_body_bytes)
-    print(f"qfilters-mlx server: KV cache {described} max_rewind={_BUILDER.options_for(_CONFIG).max_rewind} "
-          f"backend={_BUILDER.options_for(_CONFIG).backend}"
+    print(f"qfilters-mlx server: KV cache {described} max_rewind={_builder().options_for(_CONFIG).max_rewind} "
+          f"backend={_builder().options_for(_CONFIG).backend}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
     http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider, prompt_cache
