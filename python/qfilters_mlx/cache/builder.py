@@ -4,94 +4,22 @@ What each slot stores is read from the model (:func:`qfilters_mlx.model_info.pro
 not guessed from its args. Plain ``KVCache`` slots, also inside a ``CacheList``
 (falcon_h1, baichuan_m1, ...), become :class:`QFiltersKVCache` with that slot's
 own key width; other caches (sliding window, recurrent state, ...) are kept and
-reported; multi-head latent attention is refused.
+reported (:mod:`.build_report`); multi-head latent attention is refused. Build options
+(kernel backend, rewind depth, quantized storage) are keywords of the builder and its methods.
 """
 
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 from qfilters_mlx.config import BuildOptions, KVCacheConfig, merge_options, per_layer_table
 from qfilters_mlx.config.deprecated import OLD_BUILD_NAMES
-from qfilters_mlx.model_info import (BOUNDED_CACHES, CacheSlot, default_caches, probe_layout,
-                                     replace_at, walk)
+from qfilters_mlx.model_info import CacheSlot, default_caches, probe_layout, replace_at, walk
 
 __all__ = ["BuildReport", "BudgetedCaches", "KVCacheBuilder", "default_caches", "describe"]
-
-
-def _layers(slots) -> str:
-    return ", ".join(s.name for s in slots)
-
-
-@dataclass(frozen=True)
-class BuildReport:
-    """Which cache slots got an eviction cache and what the others keep.
-
-    Attributes:
-        budgeted: slots replaced by :class:`QFiltersKVCache`.
-        kept: slots that keep the model's own cache (with :attr:`CacheSlot.cache_type`).
-        shard: on one rank of a tensor-parallel model, its rank, group size and KV heads
-            (:class:`qfilters_mlx.sharding.ShardInfo`; the caches hold those heads); else ``None``.
-        shared_kv: paths of the budgeted slots whose K/V other layers read with
-            ``keys_and_values()`` (gemma3n, afm7); their caches keep what their last update
-            returned (``QFiltersKVCache.keep_last_kv``).
-        filters: the filter in use and where it came from (one line, e.g. ``"calibrated
-            query filter PATH (found by model identity; 2048 tokens of ...)"``; see
-            :mod:`qfilters_mlx.filters.default_filters`); ``""`` when not recorded.
-    """
-
-    budgeted: tuple[CacheSlot, ...]
-    kept: tuple[CacheSlot, ...]
-    shard: object = None
-    shared_kv: tuple = ()
-    filters: str = ""
-
-    @property
-    def partial(self) -> bool:
-        """Some slots keep the model's own cache."""
-        return bool(self.kept)
-
-    def summary(self) -> str:
-        """One line: ``"all 2 layers budgeted"`` or which layers keep which cache and why
-        (then, on a tensor-parallel rank, ``"; rank r of N (tensor parallel): KV heads ..."``),
-        then ``"; filter: "`` and :attr:`filters`."""
-        text = self._layers_summary()
-        text = text if self.shard is None else f"{text}; {self.shard.summary()}"
-        return f"{text}; filter: {self.filters}" if self.filters else text
-
-    def _layers_summary(self) -> str:
-        n = len(self.budgeted)
-        if not self.kept:
-            return f"all {n} attention caches budgeted (layers {_layers(self.budgeted)})"
-        by_type: dict[str, list[CacheSlot]] = {}
-        for s in self.kept:
-            by_type.setdefault(s.cache_type, []).append(s)
-        kept = "; ".join(
-            f"{t} at {_layers(v)}: {BOUNDED_CACHES.get(t, 'kept as the model built it')}"
-            if t != "KVCache" else f"KVCache at {_layers(v)}: never called in a forward pass (shared)"
-            for t, v in by_type.items())
-        return f"partial: {n} attention caches budgeted (layers {_layers(self.budgeted)}); kept: {kept}"
-
-
-class BudgetedCaches(list):
-    """The list :meth:`KVCacheBuilder.for_model` returns: a plain ``list`` of per-layer
-    caches (what mlx-lm takes as ``prompt_cache``) with a :attr:`report`."""
-
-    report: BuildReport
-
-    def __repr__(self) -> str:
-        return f"BudgetedCaches({len(self)} caches; {self.report.summary()})"
-
-
-def describe(caches) -> str:
-    """A one-line summary of a cache list: its :class:`BuildReport`, or the classes it holds."""
-    report = getattr(caches, "report", None)
-    if report is not None:
-        return report.summary()
-    ours = [p for p, c in walk(caches) if isinstance(c, QFiltersKVCache)]
-    return f"{len(ours)} of {len(list(walk(caches)))} caches are QFiltersKVCache"
 
 
 def _layer_filters(model, config: KVCacheConfig, tokenizer=None, model_path=None):
@@ -123,7 +51,7 @@ def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[
     mla = [s for s in slots if s.mla]
     if mla:
         raise ValueError(
-            f"{type(model).__module__}: layers {_layers(mla)} use multi-head latent attention "
+            f"{type(model).__module__}: layers {layer_names(mla)} use multi-head latent attention "
             f"(MLA): the cache stores a compressed latent of width {mla[0].key_dim}, not per-head "
             "keys, so Q-Filters cannot score them; this architecture is not supported")
     budgeted = [s for s in slots if s.plain]
@@ -135,7 +63,7 @@ def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[
     if config.head_dim is not None:
         widths = sorted({s.key_dim for s in budgeted})
         if widths != [config.head_dim]:
-            per = {w: _layers([s for s in budgeted if s.key_dim == w]) for w in widths}
+            per = {w: layer_names([s for s in budgeted if s.key_dim == w]) for w in widths}
             raise ValueError(
                 f"config.head_dim={config.head_dim} does not match the model's key head width "
                 + (f"{widths[0]}" if len(widths) == 1 else
@@ -172,7 +100,7 @@ def _trial_forward(model, budgeted: list[CacheSlot]) -> tuple:
     except Exception as err:
         raise ValueError(
             f"{type(model).__module__}: the model uses its attention caches (layers "
-            f"{_layers(budgeted)}) beyond mlx-lm's cache protocol, which QFiltersKVCache does not "
+            f"{layer_names(budgeted)}) beyond mlx-lm's cache protocol, which QFiltersKVCache does not "
             f"provide ({type(err).__name__}: {err}); this architecture is not supported") from err
     return tuple(p for p, c in walk(trial) if isinstance(c, _TrialCache) and c.read)
 
@@ -235,7 +163,9 @@ class KVCacheBuilder:
             ValueError: a given option contradicts the configuration's deprecated value.
         """
         given = {k: keywords[k] if keywords.get(k) is not None else v for k, v in self._given().items()}
-        return merge_options(_checked(config)._build_options, given, OLD_BUILD_NAMES)
+        c = _checked(config)  # what it carries from its deprecated spelling (else the defaults)
+        carried = BuildOptions(c.qfilters_backend, c.qfilters_max_rewind, c.kv_bits, c.kv_group_size)
+        return merge_options(carried, given, OLD_BUILD_NAMES)
 
     @_BuilderMethod
     def for_model(self, model, config: KVCacheConfig | None = None, *, tokenizer=None,
