@@ -92,15 +92,16 @@ class KVCacheConfig(_Fields):
     they keep working and read back without a warning): ``qfilters_mode``,
     ``qfilters_compression_ratio``, ``qfilters_growth``, ``qfilters_compress_at`` (now
     ``mode``), ``qfilters_backend``, ``qfilters_max_rewind``, ``kv_bits``, ``kv_group_size``
-    (now build keywords; the config carries them to the caches it builds).
+    (now build keywords; a configuration spelled so hands them to the caches built from it,
+    see docs/configuration.md, "Deprecated spellings").
 
     Raises:
         ValueError: a field out of range or not one of its choices (the message names the
             field), ``n_sink >= budget``, ``n_sink + recent >= budget``, a sign that
-            contradicts the filter source, a ``qfilters_filters`` path that is no file,
-            compress-once with ``method="full"`` or a per-head window.
+            contradicts the filter source, ``qfilters_filters`` neither an existing file nor
+            a 3-d array, compress-once with ``method="full"`` or a per-head window.
         TypeError: a field of the wrong type (an int that is not an int, a mode that is not
-            :class:`Streaming` / :class:`CompressOnce`, filters neither path nor 3-d array).
+            :class:`Streaming` / :class:`CompressOnce`).
     """
 
     def __init__(self, *args, **kwargs):
