@@ -20,18 +20,6 @@ BUILD_FIELDS = {"qfilters_backend": "backend", "qfilters_max_rewind": "max_rewin
 
 OLD_BUILD_NAMES = {new: old for old, new in BUILD_FIELDS.items()}
 
-_NEW_SPELLING = {
-    "qfilters_mode": "mode=Streaming() or mode=CompressOnce(...)",
-    "qfilters_compression_ratio": "mode=CompressOnce(ratio=...)",
-    "qfilters_growth": "mode=CompressOnce(growth=...)",
-    "qfilters_compress_at": "mode=CompressOnce(at=...)",
-    "qfilters_backend": "backend=",
-    "qfilters_max_rewind": "max_rewind=",
-    "kv_bits": "kv_bits= (bits= of QuantizedQFiltersKVCache)",
-    "kv_group_size": "kv_group_size= (group_size= of QuantizedQFiltersKVCache)",
-}
-
-
 def take_deprecated(kwargs: dict) -> tuple[dict, dict]:
     """Remove the old spellings from ``kwargs``: ``(mode fields, build fields)`` by old name."""
     mode = {k: kwargs.pop(k) for k in ("qfilters_mode", *MODE_FIELDS) if k in kwargs}
@@ -39,13 +27,20 @@ def take_deprecated(kwargs: dict) -> tuple[dict, dict]:
     return mode, build
 
 
-def warn_deprecated(names, stacklevel: int) -> None:
-    """One ``DeprecationWarning`` naming each old spelling in ``names`` and its new one."""
-    hints = "; ".join(f"{n} -> {_NEW_SPELLING[n]}" for n in names)
-    build = [n for n in names if n in BUILD_FIELDS]
-    where = (" (build options are keywords of KVCacheBuilder(...), KVCacheBuilder.for_model, "
-             "KVCacheBuilder.install and the cache constructors)" if build else "")
-    warnings.warn(f"KVCacheConfig({', '.join(names)}) is deprecated: {hints}{where}",
+def warn_deprecated(old_mode: dict, old_build: dict, stacklevel: int) -> None:
+    """One ``DeprecationWarning`` naming the old spellings given and how to write them now."""
+    given = ", ".join(f"{k}={v!r}" for k, v in {**old_mode, **old_build}.items())
+    use = []
+    if old_mode.get("qfilters_mode", "compress_once") == "streaming":
+        use.append("mode=Streaming() (the default)")
+    elif old_mode:
+        fields = ", ".join(f"{MODE_FIELDS[k]}={v!r}" for k, v in old_mode.items() if k in MODE_FIELDS)
+        use.append(f"mode=CompressOnce({fields})")
+    if old_build:
+        keywords = ", ".join(f"{BUILD_FIELDS[k]}={v!r}" for k, v in old_build.items())
+        use.append(f"the keywords {keywords} where the caches are built (KVCacheBuilder(...), "
+                   "KVCacheBuilder.for_model, KVCacheBuilder.install, the cache constructors)")
+    warnings.warn(f"KVCacheConfig({given}) is deprecated: use {'; and '.join(use)}",
                   DeprecationWarning, stacklevel=stacklevel)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -114,7 +115,7 @@ class KVCacheConfig(_Fields):
             kwargs[name] = value
         old_mode, old_build = take_deprecated(kwargs)
         if old_mode or old_build:
-            warn_deprecated([*old_mode, *old_build], stacklevel=3)
+            warn_deprecated(old_mode, old_build, stacklevel=3)
         super().__init__(**_resolved(kwargs, old_mode, old_build))
 
     # -- derived values -------------------------------------------------------------------
@@ -205,6 +206,11 @@ class KVCacheConfig(_Fields):
     def kv_group_size(self) -> int:
         """The group size given with ``KVCacheConfig(kv_group_size=...)``, else the default."""
         return self._build_options.kv_group_size if self._build_options else DEFAULT_KV_GROUP_SIZE
+
+
+_SIGNATURE = inspect.signature(_Fields)
+KVCacheConfig.__signature__ = _SIGNATURE.replace(  # what help() and inspect show: the fields
+    parameters=[p for p in _SIGNATURE.parameters.values() if not p.name.startswith("_")])
 
 
 def _resolved(values: dict, old_mode: dict, old_build: dict) -> dict:
