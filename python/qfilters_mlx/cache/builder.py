@@ -153,16 +153,19 @@ class KVCacheBuilder:
         given = ", ".join(f"{k}={v!r}" for k, v in self._given().items() if v is not None)
         return f"KVCacheBuilder({given})"
 
-    def options_for(self, config: KVCacheConfig | None = None, **keywords) -> BuildOptions:
+    def options_for(self, config: KVCacheConfig | None = None, *, backend: str | None = None,
+                    max_rewind: int | None = None, kv_bits: int | None = None,
+                    kv_group_size: int | None = None) -> BuildOptions:
         """The build options :meth:`for_model` uses for ``config`` (``None``: the default
-        configuration): each of ``keywords`` (``backend=`` ...) not ``None``, else this
-        builder's, else the value ``config`` carries from a deprecated spelling, else the
-        default.
+        configuration): each keyword not ``None``, else this builder's, else the value
+        ``config`` carries from a deprecated spelling, else the default.
 
         Raises:
             ValueError: a given option contradicts the configuration's deprecated value.
         """
-        given = {k: keywords[k] if keywords.get(k) is not None else v for k, v in self._given().items()}
+        keywords = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
+                        kv_group_size=kv_group_size)
+        given = {k: keywords[k] if keywords[k] is not None else v for k, v in self._given().items()}
         c = _checked(config)  # what it carries from its deprecated spelling (else the defaults)
         carried = BuildOptions(c.qfilters_backend, c.qfilters_max_rewind, c.kv_bits, c.kv_group_size)
         return merge_options(carried, given, OLD_BUILD_NAMES)
