@@ -30,6 +30,14 @@ def config_of(*args, **kw):
     return config_from_args(parser, parser.parse_args(["generate", *args]), **kw)
 
 
+def build_options_of(*args):
+    """The build options (``--backend``, ``--max-rewind``) ``generate`` builds with."""
+    from qfilters_mlx.commands.cache_options import builder_from_args
+
+    parser = cli.build_parser()
+    return builder_from_args(parser, parser.parse_args(["generate", *args])).options_for()
+
+
 def test_library_and_cli_defaults_are_one_set():
     """The defaults, stated: KVCacheConfig() equals what `generate` uses without flags."""
     from qfilters_mlx import KVCacheConfig
@@ -53,9 +61,10 @@ def test_library_and_cli_defaults_are_one_set():
     assert KVCacheConfig(qfilters_filter_source="keys").qfilters_sign == -1
     assert config_of("--filter-source", "keys").qfilters_sign == -1
     assert KVCacheConfig(qfilters_filter_source="keys", qfilters_sign=1).qfilters_sign == 1
-    assert lib.qfilters_max_rewind == config_of().qfilters_max_rewind == 0  # no journal cost
-    assert config_of("--draft-model", "D", "--num-draft-tokens", "5").qfilters_max_rewind == 5
-    assert config_of("--draft-model", "D", "--max-rewind", "9").qfilters_max_rewind == 9
+    assert lib.qfilters_max_rewind == build_options_of().max_rewind == 0  # no journal cost
+    assert build_options_of("--draft-model", "D", "--num-draft-tokens", "5").max_rewind == 5
+    assert build_options_of("--draft-model", "D", "--max-rewind", "9").max_rewind == 9
+    assert build_options_of().backend == "auto"
 
 
 def test_generate_parser_defaults():

@@ -121,7 +121,7 @@ BUGS: list[dict] = [
          new='"budget_covers_length_equals_full": True or bool(cover) and all(',
          tests=["tests/test_quick_checks.py"]),
     # ---- kind 5: error messages, Metal refusal
-    dict(name="config_error_without_field_name", kind=5, file="config_checks.py",
+    dict(name="config_error_without_field_name", kind=5, file="config/checks.py",
          what="KVCacheConfig's int checks no longer name the field (e.g. qfilters_budget=0)",
          old='raise ValueError(f"{name} must be >= {minimum}, got {value}")',
          new='raise ValueError(f"must be >= {minimum}, got {value}")',

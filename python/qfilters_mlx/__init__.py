@@ -14,10 +14,12 @@ from importlib import import_module
 __version__ = "0.2.0"
 
 _EXPORTS = {
+    "CompressOnce": ".config",
     "KVCacheBuilder": ".cache.builder",
     "KVCacheConfig": ".config",
     "METHODS": ".config",
     "QFiltersKVCache": ".cache.kv_cache",
+    "Streaming": ".config",
     "compress_caches": ".cache.compression",
     "observe_queries": ".filters.observe",
 }

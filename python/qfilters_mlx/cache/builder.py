@@ -4,93 +4,22 @@ What each slot stores is read from the model (:func:`qfilters_mlx.model_info.pro
 not guessed from its args. Plain ``KVCache`` slots, also inside a ``CacheList``
 (falcon_h1, baichuan_m1, ...), become :class:`QFiltersKVCache` with that slot's
 own key width; other caches (sliding window, recurrent state, ...) are kept and
-reported; multi-head latent attention is refused.
+reported (:mod:`.build_report`); multi-head latent attention is refused. Build options
+(kernel backend, rewind depth, quantized storage) are keywords of the builder and its methods.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import types
+from dataclasses import replace
 
+from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
-from qfilters_mlx.config import KVCacheConfig
-from qfilters_mlx.recent_config import per_layer_table
-from qfilters_mlx.model_info import (BOUNDED_CACHES, CacheSlot, default_caches, probe_layout,
-                                     replace_at, walk)
+from qfilters_mlx.config import BuildOptions, KVCacheConfig, merge_options, per_layer_table
+from qfilters_mlx.config.deprecated import OLD_BUILD_NAMES
+from qfilters_mlx.model_info import CacheSlot, default_caches, probe_layout, replace_at, walk
 
 __all__ = ["BuildReport", "BudgetedCaches", "KVCacheBuilder", "default_caches", "describe"]
-
-
-def _layers(slots) -> str:
-    return ", ".join(s.name for s in slots)
-
-
-@dataclass(frozen=True)
-class BuildReport:
-    """Which cache slots got an eviction cache and what the others keep.
-
-    Attributes:
-        budgeted: slots replaced by :class:`QFiltersKVCache`.
-        kept: slots that keep the model's own cache (with :attr:`CacheSlot.cache_type`).
-        shard: on one rank of a tensor-parallel model, its rank, group size and KV heads
-            (:class:`qfilters_mlx.sharding.ShardInfo`; the caches hold those heads); else ``None``.
-        shared_kv: paths of the budgeted slots whose K/V other layers read with
-            ``keys_and_values()`` (gemma3n, afm7); their caches keep what their last update
-            returned (``QFiltersKVCache.keep_last_kv``).
-        filters: the filter in use and where it came from (one line, e.g. ``"calibrated
-            query filter PATH (found by model identity; 2048 tokens of ...)"``; see
-            :mod:`qfilters_mlx.filters.default_filters`); ``""`` when not recorded.
-    """
-
-    budgeted: tuple[CacheSlot, ...]
-    kept: tuple[CacheSlot, ...]
-    shard: object = None
-    shared_kv: tuple = ()
-    filters: str = ""
-
-    @property
-    def partial(self) -> bool:
-        """Some slots keep the model's own cache."""
-        return bool(self.kept)
-
-    def summary(self) -> str:
-        """One line: ``"all 2 layers budgeted"`` or which layers keep which cache and why
-        (then, on a tensor-parallel rank, ``"; rank r of N (tensor parallel): KV heads ..."``),
-        then ``"; filter: "`` and :attr:`filters`."""
-        text = self._layers_summary()
-        text = text if self.shard is None else f"{text}; {self.shard.summary()}"
-        return f"{text}; filter: {self.filters}" if self.filters else text
-
-    def _layers_summary(self) -> str:
-        n = len(self.budgeted)
-        if not self.kept:
-            return f"all {n} attention caches budgeted (layers {_layers(self.budgeted)})"
-        by_type: dict[str, list[CacheSlot]] = {}
-        for s in self.kept:
-            by_type.setdefault(s.cache_type, []).append(s)
-        kept = "; ".join(
-            f"{t} at {_layers(v)}: {BOUNDED_CACHES.get(t, 'kept as the model built it')}"
-            if t != "KVCache" else f"KVCache at {_layers(v)}: never called in a forward pass (shared)"
-            for t, v in by_type.items())
-        return f"partial: {n} attention caches budgeted (layers {_layers(self.budgeted)}); kept: {kept}"
-
-
-class BudgetedCaches(list):
-    """The list :meth:`KVCacheBuilder.for_model` returns: a plain ``list`` of per-layer
-    caches (what mlx-lm takes as ``prompt_cache``) with a :attr:`report`."""
-
-    report: BuildReport
-
-    def __repr__(self) -> str:
-        return f"BudgetedCaches({len(self)} caches; {self.report.summary()})"
-
-
-def describe(caches) -> str:
-    """A one-line summary of a cache list: its :class:`BuildReport`, or the classes it holds."""
-    report = getattr(caches, "report", None)
-    if report is not None:
-        return report.summary()
-    ours = [p for p, c in walk(caches) if isinstance(c, QFiltersKVCache)]
-    return f"{len(ours)} of {len(list(walk(caches)))} caches are QFiltersKVCache"
 
 
 def _layer_filters(model, config: KVCacheConfig, tokenizer=None, model_path=None):
@@ -122,7 +51,7 @@ def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[
     mla = [s for s in slots if s.mla]
     if mla:
         raise ValueError(
-            f"{type(model).__module__}: layers {_layers(mla)} use multi-head latent attention "
+            f"{type(model).__module__}: layers {layer_names(mla)} use multi-head latent attention "
             f"(MLA): the cache stores a compressed latent of width {mla[0].key_dim}, not per-head "
             "keys, so Q-Filters cannot score them; this architecture is not supported")
     budgeted = [s for s in slots if s.plain]
@@ -134,7 +63,7 @@ def _check_layout(slots: list[CacheSlot], config: KVCacheConfig, model) -> list[
     if config.head_dim is not None:
         widths = sorted({s.key_dim for s in budgeted})
         if widths != [config.head_dim]:
-            per = {w: _layers([s for s in budgeted if s.key_dim == w]) for w in widths}
+            per = {w: layer_names([s for s in budgeted if s.key_dim == w]) for w in widths}
             raise ValueError(
                 f"config.head_dim={config.head_dim} does not match the model's key head width "
                 + (f"{widths[0]}" if len(widths) == 1 else
@@ -162,7 +91,8 @@ def _trial_forward(model, budgeted: list[CacheSlot]) -> tuple:
 
     trial = default_caches(model)
     for s in budgeted:
-        c = _TrialCache(KVCacheConfig(method="full", head_dim=s.key_dim, qfilters_backend="reference"))
+        c = _new_cache(_TrialCache, KVCacheConfig(method="full", head_dim=s.key_dim), s.layer, None,
+                       BuildOptions(backend="reference"))
         c.keep_last_kv = True
         replace_at(trial, s.path, c)
     try:
@@ -170,17 +100,85 @@ def _trial_forward(model, budgeted: list[CacheSlot]) -> tuple:
     except Exception as err:
         raise ValueError(
             f"{type(model).__module__}: the model uses its attention caches (layers "
-            f"{_layers(budgeted)}) beyond mlx-lm's cache protocol, which QFiltersKVCache does not "
+            f"{layer_names(budgeted)}) beyond mlx-lm's cache protocol, which QFiltersKVCache does not "
             f"provide ({type(err).__name__}: {err}); this architecture is not supported") from err
     return tuple(p for p, c in walk(trial) if isinstance(c, _TrialCache) and c.read)
 
 
-class KVCacheBuilder:
-    """Builds eviction caches for a model (see :meth:`for_model`)."""
+def _new_cache(cls, config: KVCacheConfig, layer_idx: int, filters, options: BuildOptions):
+    """One eviction cache built with ``options``: of class ``cls``, or for
+    :class:`QFiltersKVCache` of the class the storage asks for (:func:`build_cache`)."""
+    if cls is QFiltersKVCache:
+        return build_cache(config, layer_idx, filters, bits=options.kv_bits,
+                           group_size=options.kv_group_size, backend=options.backend,
+                           max_rewind=options.max_rewind)
+    return cls(config, layer_idx=layer_idx, filters=filters, backend=options.backend,
+               max_rewind=options.max_rewind)
 
-    @staticmethod
-    def for_model(model, config: KVCacheConfig | None = None, *, tokenizer=None,
-                  model_path=None) -> BudgetedCaches:
+
+class _BuilderMethod:
+    """A method of :class:`KVCacheBuilder` called on the class (the default options) or on
+    an instance (its options): ``KVCacheBuilder.for_model(...)`` and
+    ``KVCacheBuilder(backend="cpp").for_model(...)``."""
+
+    def __init__(self, func):
+        self.__func__ = func
+        self.__doc__, self.__name__, self.__wrapped__ = func.__doc__, func.__name__, func
+
+    def __get__(self, builder, cls=None):
+        return types.MethodType(self.__func__, builder if builder is not None else cls())
+
+
+class KVCacheBuilder:
+    """Builds eviction caches for a model (see :meth:`for_model`).
+
+    ``KVCacheBuilder(backend=None, max_rewind=None, kv_bits=None, kv_group_size=None)`` holds
+    build options (:class:`qfilters_mlx.config.BuildOptions`: kernel backend, rewind depth,
+    quantized K/V storage) for its :meth:`for_model` and :meth:`install`, which take the same
+    keywords (a keyword given there wins over the builder's). ``None`` takes the value the
+    configuration carries from its deprecated spelling (``qfilters_backend=`` ...), else the
+    default; a keyword that contradicts such a value raises ``ValueError`` naming both. Called
+    on the class, ``KVCacheBuilder.for_model(...)`` uses a builder without options.
+
+    Raises:
+        TypeError, ValueError: a given option of the wrong type or out of range (named).
+    """
+
+    def __init__(self, *, backend: str | None = None, max_rewind: int | None = None,
+                 kv_bits: int | None = None, kv_group_size: int | None = None):
+        self.backend, self.max_rewind = backend, max_rewind
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        merge_options(None, self._given(), OLD_BUILD_NAMES)  # checks the given ones now
+
+    def _given(self) -> dict:
+        return {"backend": self.backend, "max_rewind": self.max_rewind, "kv_bits": self.kv_bits,
+                "kv_group_size": self.kv_group_size}
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{k}={v!r}" for k, v in self._given().items() if v is not None)
+        return f"KVCacheBuilder({given})"
+
+    def options_for(self, config: KVCacheConfig | None = None, *, backend: str | None = None,
+                    max_rewind: int | None = None, kv_bits: int | None = None,
+                    kv_group_size: int | None = None) -> BuildOptions:
+        """The build options :meth:`for_model` uses for ``config`` (``None``: the default
+        configuration): each keyword not ``None``, else this builder's, else the value
+        ``config`` carries from a deprecated spelling, else the default.
+
+        Raises:
+            ValueError: a given option contradicts the configuration's deprecated value.
+        """
+        keywords = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
+                        kv_group_size=kv_group_size)
+        given = {k: keywords[k] if keywords[k] is not None else v for k, v in self._given().items()}
+        c = _checked(config)  # what it carries from its deprecated spelling (else the defaults)
+        carried = BuildOptions(c.qfilters_backend, c.qfilters_max_rewind, c.kv_bits, c.kv_group_size)
+        return merge_options(carried, given, OLD_BUILD_NAMES)
+
+    @_BuilderMethod
+    def for_model(self, model, config: KVCacheConfig | None = None, *, tokenizer=None,
+                  model_path=None, backend: str | None = None, max_rewind: int | None = None,
+                  kv_bits: int | None = None, kv_group_size: int | None = None) -> BudgetedCaches:
         """The model's own caches with every plain ``KVCache`` replaced by a
         :class:`QFiltersKVCache` (inside ``CacheList`` too).
 
@@ -209,6 +207,12 @@ class KVCacheBuilder:
         :func:`describe` say which. Use as ``model.make_cache = lambda *_a, **_k:
         caches`` or, for fresh caches per generation, :meth:`install`.
 
+        Build options (see :class:`KVCacheBuilder`): ``backend`` (``"auto"``, ``"reference"``,
+        ``"cpp"``, ``"metal"``), ``max_rewind`` (tokens ``trim`` can rewind after an eviction,
+        default :data:`qfilters_mlx.config.DEFAULT_MAX_REWIND`; at least ``num_draft_tokens``
+        for speculative decoding), ``kv_bits`` (2, 4, 8: quantized K/V storage, needs
+        ``max_rewind=0``) and ``kv_group_size`` (32, 64, 128).
+
         Bring your own filters with ``config.qfilters_filters`` (a path written by
         ``qfilters-mlx calibrate`` or an array ``[n_layers, n_kv_heads, head_dim]`` over the
         budgeted layers, see :func:`qfilters_mlx.model_info.model_dims`): budgeted slot
@@ -222,8 +226,9 @@ class KVCacheBuilder:
         (:mod:`qfilters_mlx.sharding`).
 
         Raises:
-            TypeError: ``config`` is not a ``KVCacheConfig``.
-            ValueError: layers use multi-head latent attention (MLA, named with
+            TypeError: ``config`` is not a ``KVCacheConfig``; a build option of the wrong type.
+            ValueError: a build option out of range or contradicting the configuration's
+                deprecated value (both named); layers use multi-head latent attention (MLA, named with
                 the layers); no layer has a plain attention cache; ``config.head_dim``
                 differs from a layer's key width (both numbers named); the model
                 uses its caches beyond mlx-lm's cache protocol; the filters
@@ -232,14 +237,13 @@ class KVCacheBuilder:
                 be probed; a tensor-parallel rank holds part of a KV head (the KV
                 heads are not divisible by the group size).
         """
-        return KVCacheBuilder._prepare(model, config, tokenizer, model_path)[0]
+        options = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
+                       kv_group_size=kv_group_size)
+        return self._prepare(model, _checked(config), tokenizer, model_path, options)[0]
 
-    @staticmethod
-    def _prepare(model, config, tokenizer, model_path):
+    def _prepare(self, model, config, tokenizer, model_path, keywords):
         """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
-        config = KVCacheConfig() if config is None else config
-        if not isinstance(config, KVCacheConfig):
-            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        options = self.options_for(config, **keywords)
         from qfilters_mlx.sharding import check_shards, shard_info
 
         check_shards(model)  # a tensor-parallel rank holds whole KV heads
@@ -250,14 +254,14 @@ class KVCacheBuilder:
         filters, config, origin = _layer_filters(model, config, tokenizer, model_path)
 
         def build():
-            return KVCacheBuilder._build(config, slots, budgeted, filters, model, shard, shared_kv,
-                                         origin)
+            return KVCacheBuilder._build(config, options, slots, budgeted, filters, model, shard,
+                                         shared_kv, origin)
 
         return build(), build
 
     @staticmethod
-    def _build(config: KVCacheConfig, slots, budgeted, filters, model, shard=None,
-               shared_kv: tuple = (), origin: str = "") -> BudgetedCaches:
+    def _build(config: KVCacheConfig, options: BuildOptions, slots, budgeted, filters, model,
+               shard=None, shared_kv: tuple = (), origin: str = "") -> BudgetedCaches:
         """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
         caches = BudgetedCaches(default_caches(model))
         table = per_layer_table(config, len(budgeted))
@@ -265,7 +269,8 @@ class KVCacheBuilder:
             cfg = config.with_head_dim(s.key_dim)
             if table:  # per-head windows of budgeted slot i (rows follow the filters' order)
                 cfg = replace(cfg, qfilters_recent=config.layer_recent(i))
-            c = build_cache(cfg, layer_idx=s.layer, filters=None if filters is None else filters[i])
+            c = _new_cache(QFiltersKVCache, cfg, s.layer, None if filters is None else filters[i],
+                           options)
             c.keep_last_kv = s.path in shared_kv
             replace_at(caches, s.path, c)
         keys = {s.path for s in budgeted}
@@ -273,9 +278,10 @@ class KVCacheBuilder:
                                     shard, tuple(shared_kv), origin)
         return caches
 
-    @staticmethod
-    def install(model, config: KVCacheConfig | None = None, *, tokenizer=None,
-                model_path=None) -> BuildReport:
+    @_BuilderMethod
+    def install(self, model, config: KVCacheConfig | None = None, *, tokenizer=None,
+                model_path=None, backend: str | None = None, max_rewind: int | None = None,
+                kv_bits: int | None = None, kv_group_size: int | None = None) -> BuildReport:
         """Make ``model.make_cache()`` build *fresh* eviction caches on every call.
 
         Unlike ``model.make_cache = lambda *_a, **_k: caches``, which hands the
@@ -283,22 +289,20 @@ class KVCacheBuilder:
         for repeated ``mlx_lm.generate`` calls and for servers that build a cache
         per request. Validates like :meth:`for_model` (errors are raised here, not
         at the first generation); the model is probed and its filter found or made
-        (the default: the calibrated query filter, see :meth:`for_model`; ``tokenizer``
-        and ``model_path`` as there) once, here. Returns the :class:`BuildReport`
+        (the default: the calibrated query filter, see :meth:`for_model`; ``tokenizer``,
+        ``model_path`` and the build options as there) once, here. Returns the :class:`BuildReport`
         (``report.filters`` names the filter).
 
         mlx-lm builds these caches inside ``generate`` or its server, where no
         ``observe_queries`` can wrap them, so the opt-in online configurations that need
         observed queries (``qfilters_filter_source="queries"``, ``sign="auto"``) are
         refused here; the default needs none. For ``mlx_lm.server``'s prompt-cache reuse see
-        README ("mlx-lm's server prompt cache": ``qfilters_max_rewind``).
+        README ("mlx-lm's server prompt cache": ``max_rewind``).
 
         Raises:
-            ValueError: what :meth:`for_model` raises, or ``config.needs_queries``.
+            TypeError, ValueError: what :meth:`for_model` raises, or ``config.needs_queries``.
         """
-        config = KVCacheConfig() if config is None else config
-        if not isinstance(config, KVCacheConfig):
-            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        config = _checked(config)
         if config.needs_queries:
             raise ValueError(
                 "install: this configuration estimates its filter from observed queries "
@@ -308,6 +312,16 @@ class KVCacheBuilder:
                 "the default qfilters_filter_source='calibrated' (the calibrated query filter), "
                 "qfilters_filters=FILE from `qfilters-mlx calibrate`, or 'keys' (sign -1 by default), "
                 "or build caches with for_model and generate inside observe_queries")
-        caches, build = KVCacheBuilder._prepare(model, config, tokenizer, model_path)  # validate now
+        options = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
+                       kv_group_size=kv_group_size)
+        caches, build = self._prepare(model, config, tokenizer, model_path, options)  # validate now
         model.make_cache = lambda *_a, **_k: build()
         return caches.report
+
+
+def _checked(config) -> KVCacheConfig:
+    """``config`` (``None``: ``KVCacheConfig()``), or ``TypeError`` when it is no ``KVCacheConfig``."""
+    config = KVCacheConfig() if config is None else config
+    if not isinstance(config, KVCacheConfig):
+        raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+    return config

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
@@ -78,7 +77,8 @@ from qfilters_mlx.cache.journal import (CallRecord, LayoutRecord, RewindJournal,
 from qfilters_mlx.cache.persistence import Snapshot, decode, encode, for_pickle, from_pickle
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.config import KVCacheConfig
-from qfilters_mlx.config_checks import check_int, check_kv_quantization
+from qfilters_mlx.config import check_int
+from qfilters_mlx.config.build import check_build
 
 __all__ = ["DenseRows", "QFiltersKVCache", "QuantizedQFiltersKVCache", "build_cache",
            "insertion_scores", "random_scores"]
@@ -701,9 +701,9 @@ class QFiltersKVCache(_BaseCache):
         c = self.config
         if not c.compress_once:
             return c.qfilters_budget
-        if self._compressed is None or c.qfilters_growth is None:
+        if self._compressed is None or c.mode.growth is None:
             return math.inf
-        return max(1, self._compressed[0] + c.qfilters_growth)
+        return max(1, self._compressed[0] + c.mode.growth)
 
     def _window(self, budget: int) -> tuple[int, int]:
         """``(n_sink, recent)`` at ``budget`` kept rows (cut to it, sinks first)."""
@@ -735,7 +735,7 @@ class QFiltersKVCache(_BaseCache):
     def _before_call(self, tokens: int) -> None:
         """The ``prompt_end`` trigger, run before a call of ``tokens`` tokens is stored."""
         c = self.config
-        if not c.compress_once or self._compressed is not None or c.qfilters_compress_at != "prompt_end":
+        if not c.compress_once or self._compressed is not None or c.mode.at != "prompt_end":
             return
         if tokens > 1:
             self._saw_chunk = True
@@ -751,8 +751,8 @@ class QFiltersKVCache(_BaseCache):
         """
         c = self.config
         if not c.compress_once:
-            raise ValueError(f"layer {self.layer_idx}: compression needs qfilters_mode='compress_once' "
-                             f"(this cache has qfilters_mode={c.qfilters_mode!r})")
+            raise ValueError(f"layer {self.layer_idx}: compression needs mode=CompressOnce(...) "
+                             f"(qfilters_mode='compress_once'; this cache has mode={c.mode!r})")
         check_target(ratio, budget)
         if self.keys is None or self._n == 0:
             raise ValueError(f"layer {self.layer_idx}: the cache is empty; nothing to compress")
@@ -779,7 +779,7 @@ class QFiltersKVCache(_BaseCache):
         self.check_compress(ratio, budget)
         c = self.config
         if ratio is None and budget is None:
-            ratio = c.qfilters_compression_ratio
+            ratio = c.mode.ratio
             budget = c.qfilters_budget if ratio is None else None
         self._to_temporal()
         n = self._n
@@ -1124,8 +1124,9 @@ class QFiltersKVCache(_BaseCache):
 def _check_quantization(bits, group_size, max_rewind, head_dim) -> None:
     """``kv_bits`` / ``kv_group_size`` checks of ``KVCacheConfig``, for the values a
     quantized cache is built with (``ValueError`` naming the value)."""
-    check_kv_quantization(SimpleNamespace(kv_bits=bits, kv_group_size=group_size,
-                                          qfilters_max_rewind=max_rewind, head_dim=head_dim))
+    check_build("auto", max_rewind, bits, group_size, head_dim,
+                names={"backend": "backend", "max_rewind": "qfilters_max_rewind", "kv_bits": "kv_bits",
+                       "kv_group_size": "kv_group_size"})
 
 
 class QuantizedQFiltersKVCache(QFiltersKVCache):
@@ -1181,7 +1182,7 @@ class QuantizedQFiltersKVCache(QFiltersKVCache):
                 f"from queries (offset {cache.offset} < qfilters_calib_tokens "
                 f"{cache.config.qfilters_calib_tokens}): use quantized_kv_start >= calib_tokens, "
                 "or KVCacheConfig(kv_bits=...) to quantize from the first token")
-        config = dataclasses.replace(cache.config, kv_bits=bits, kv_group_size=group_size)
+        config = cache.config
         _check_quantization(bits, group_size, cache.max_rewind, config.head_dim)
         held = None
         if cache.keys is not None and cache._needs_filter and not cache.evicted:

@@ -31,7 +31,7 @@ import mlx.core as mx
 from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.journal import to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
-from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.config import KVCacheConfig, config_from_state, config_to_state
 
 __all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle"]
 
@@ -70,7 +70,7 @@ class Snapshot:
 
 def encode(s: Snapshot) -> tuple:
     """The ``state`` tuple of a snapshot (rows in temporal order)."""
-    cfg = {f.name: getattr(s.config, f.name) for f in dataclasses.fields(s.config)}
+    cfg = config_to_state(s.config)  # (the build options the config carries, replaced below)
     if not isinstance(cfg["qfilters_filters"], str):
         cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
     names = ("qfilters_backend", "qfilters_max_rewind", "kv_bits", "kv_group_size")
@@ -97,13 +97,13 @@ def encode(s: Snapshot) -> tuple:
     return (*s.rows, s.filter, s.queries, json.dumps(meta), *extra)
 
 
-def _config(fields: dict) -> KVCacheConfig:
-    """The saved configuration (a ``qfilters_filters`` path that no longer exists is
-    dropped: the layer's slice is the saved ``filter``)."""
+def _config(fields: dict) -> tuple:
+    """The saved configuration and build options (a ``qfilters_filters`` path that no longer
+    exists is dropped: the layer's slice is the saved ``filter``)."""
     path = fields.get("qfilters_filters")
     if isinstance(path, str) and not os.path.isfile(path):
         fields["qfilters_filters"] = None  # moved since saving
-    return KVCacheConfig(**fields)
+    return config_from_state(fields)
 
 
 def decode(v, quantized: bool, cls_name: str) -> Snapshot:
@@ -135,9 +135,9 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
     storage = QuantizedRows.loaded(meta, tuple(v[_ENTRIES:]), keys, values) if quantized else None
     try:
         fields = dict(meta["config"])
-        config = _config(fields)
-        build = (fields["qfilters_backend"], int(fields["qfilters_max_rewind"]),
-                 fields.get("kv_bits"), fields.get("kv_group_size"))
+        config, options = _config(fields)
+        config = config.with_build_options(options)  # (what `config.qfilters_backend` ... read)
+        build = (options.backend, options.max_rewind, options.kv_bits, options.kv_group_size)
         scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
                    bool(meta["filter_fixed"]))
         compressed = meta.get("compressed")

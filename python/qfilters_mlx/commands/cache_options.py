@@ -1,4 +1,6 @@
-"""From the cache flags to a validated :class:`~qfilters_mlx.config.KVCacheConfig`.
+"""From the cache flags to a validated :class:`~qfilters_mlx.config.KVCacheConfig` and the
+:class:`~qfilters_mlx.cache.builder.KVCacheBuilder` holding the build flags (``--backend``,
+``--max-rewind``).
 
 Which flag does something depends on the method (and, for ``qfilters``, on
 ``--filters``): :func:`applicable_flags` is that table, :func:`ignored_flags`
@@ -9,18 +11,18 @@ lists what the user gave that does nothing (the command warns), and
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
 from qfilters_mlx.config import DEFAULT_FILTER_SOURCE, KVCacheConfig
 
-__all__ = ["applicable_flags", "config_from_args", "describe_config", "ignored_flags",
-           "warn_ignored"]
+__all__ = ["applicable_flags", "builder_from_args", "config_from_args", "describe_config",
+           "ignored_flags", "warn_ignored"]
 
 # KVCacheConfig field -> the flag that sets it (to name flags in its errors).
 FIELD_FLAGS = {
     "qfilters_calib_tokens": "--calib-tokens",
-    "qfilters_backend": "--backend",
     "qfilters_budget": "--budget",
     "qfilters_n_sink": "--n-sink",
     "qfilters_recent": "--recent",
@@ -28,8 +30,9 @@ FIELD_FLAGS = {
     "qfilters_seed": "--seed",
     "qfilters_filter_source": "--filter-source",
     "qfilters_filters": "--filters",
-    "qfilters_max_rewind": "--max-rewind",
 }
+BUILD_FLAGS = {"backend": "--backend", "max_rewind": "--max-rewind"}
+"""Build option -> its flag."""
 
 _CACHE_FLAGS = ("budget", "max_kv_size", "n_sink", "recent", "calib_tokens", "filter_source",
                 "sign", "filters")
@@ -98,7 +101,7 @@ def config_from_args(parser, args, method: str | None = None, budget: int | None
     keep = applicable_flags(method, args.filters is not None, _calibrated(args))
     given = {name: getattr(args, name) for name in _CACHE_FLAGS
              if name in keep and getattr(args, name, None) is not None}
-    kwargs = {"method": method, "qfilters_backend": args.backend,
+    kwargs = {"method": method,
               "qfilters_seed": args.seed if getattr(args, "seed", None) is not None else 0}
     if "budget" in keep:
         b = budget if budget is not None else _budget(parser, args)
@@ -110,22 +113,41 @@ def config_from_args(parser, args, method: str | None = None, budget: int | None
                         ("sign", "qfilters_sign")):
         if name in given:
             kwargs[field] = given[name]
-    if getattr(args, "max_rewind", None) is not None:
-        kwargs["qfilters_max_rewind"] = args.max_rewind
-    elif getattr(args, "draft_model", None) is not None:  # rewinds only speculative decoding needs
-        kwargs["qfilters_max_rewind"] = args.num_draft_tokens
-    try:
+    with _flag_errors(parser):
         config = KVCacheConfig(**kwargs)
-        from qfilters_mlx.backends.dispatch import get_backend
+    builder_from_args(parser, args)  # the build flags fail before the model loads, too
+    return config
 
-        get_backend(config.qfilters_backend)  # fail before loading the model
+
+def builder_from_args(parser, args):
+    """The :class:`~qfilters_mlx.cache.builder.KVCacheBuilder` of the build flags: ``--backend``
+    (checked to be available now, before any model loads) and ``--max-rewind`` (default: the
+    library's, or ``--num-draft-tokens`` with ``--draft-model``). Errors go to ``parser.error``
+    naming the flag."""
+    from qfilters_mlx.backends.dispatch import get_backend
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+
+    max_rewind = getattr(args, "max_rewind", None)
+    if max_rewind is None and getattr(args, "draft_model", None) is not None:
+        max_rewind = args.num_draft_tokens  # rewinds only speculative decoding needs
+    with _flag_errors(parser):
+        builder = KVCacheBuilder(backend=getattr(args, "backend", None), max_rewind=max_rewind)
+        get_backend(builder.backend or "auto")
+    return builder
+
+
+@contextlib.contextmanager
+def _flag_errors(parser):
+    """Turn a ``TypeError`` / ``ValueError`` raised inside into ``parser.error`` naming the flag."""
+    try:
+        yield
     except (TypeError, ValueError) as err:
         message = str(err)
         for field, flag in FIELD_FLAGS.items():
             message = re.sub(rf"\b{field}\b", flag, message)
-        message = re.sub(r"^backend=", "--backend=", message)
+        for option, flag in BUILD_FLAGS.items():  # (a message naming the option starts with it)
+            message = re.sub(rf"^{option}\b", flag, message)
         parser.error(message)
-    return config
 
 
 def describe_config(config) -> str:

@@ -59,13 +59,13 @@ def run(parser, args, blas_library: str | None = None) -> int:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import save_prompt_cache
 
-    from qfilters_mlx.cache.builder import KVCacheBuilder
     from qfilters_mlx.filters.observe import observe_queries
 
     model, tokenizer = generation.load_model(parser, args, model_path)
     tokens = generation.build_prompt(parser, args, tokenizer, text, continue_final=True)
     try:
-        caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
+        caches = cache_options.builder_from_args(parser, args).for_model(
+            model, config, tokenizer=tokenizer, model_path=model_path)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         parser.error(str(err))
     progress = generation.prefill_progress()

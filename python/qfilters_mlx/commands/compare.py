@@ -60,6 +60,7 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
         print(f"{parser.prog}: warning: {flag} does nothing for any of --compare "
               f"{args.compare} (ignored)", file=sys.stderr)
     configs = [cache_options.config_from_args(parser, args, method=m, budget=b) for m, b in entries]
+    builder = cache_options.builder_from_args(parser, args)
     for c in configs:
         options.check_quantized_kv_start(parser, args, c)
     text, shipped = generation.read_prompt(parser, args)
@@ -70,7 +71,6 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
 
     from qfilters_mlx import blas
     from qfilters_mlx.assets.prompts import PASS_KEY, answer_has_pass_key
-    from qfilters_mlx.cache.builder import KVCacheBuilder
     from qfilters_mlx.filters.capture import QueriesNotCaptured
 
     model, tokenizer = generation.load_model(parser, args, model_path)
@@ -87,9 +87,10 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
         if args.seed is not None:
             mx.random.seed(args.seed)  # every entry samples from the same state
         try:
-            caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
+            caches = builder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
             draft = None if draft_model is None else generation.build_draft(
-                parser, args, draft_model, draft_tokenizer, tokenizer, config, f"--compare {label}")
+                parser, args, draft_model, draft_tokenizer, tokenizer, config, builder,
+                f"--compare {label}")
         except (ValueError, TypeError, OSError, RuntimeError) as err:
             parser.error(f"--compare {label}: {err}")
         progress = generation.prefill_progress(f"[{i + 1}/{len(entries)}] {label} prefill")

@@ -181,13 +181,16 @@ def _run(parser, args, blas_library, world) -> int:
         tokenizer.add_eos_token(token)
     tokens = generation.build_prompt(parser, args, tokenizer, text, suffix_of_cached=loaded is not None)
     try:
-        caches = loaded if loaded is not None else KVCacheBuilder.for_model(
+        # a file's caches keep their build options; the draft's follow them
+        builder = KVCacheBuilder() if loaded is not None else cache_options.builder_from_args(parser, args)
+        caches = loaded if loaded is not None else builder.for_model(
             model, config, tokenizer=tokenizer, model_path=model_path)
         config = config or next(c.config for c in caches if hasattr(c, "config"))
         draft = None
         if draft_path is not None:
             draft_model, draft_tokenizer = generation.load_model(parser, args, draft_path, "--draft-model")
-            draft = generation.build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config)
+            draft = generation.build_draft(parser, args, draft_model, draft_tokenizer, tokenizer,
+                                           config, builder)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         parser.error(f"--filters {args.filters}: {err}" if args.filters else str(err))
     if loaded is not None and len(loaded) != len(model.layers):
@@ -209,12 +212,13 @@ def _run(parser, args, blas_library, world) -> int:
         return 0
     print()
     print("=" * 10)
-    lines = _summary_lines(model, model_path, config, result, shipped, blas_library, args)
+    lines = _summary_lines(model, model_path, config, builder.options_for(config).backend, result,
+                           shipped, blas_library, args)
     summary.print_lines(lines + (distributed.kv_lines(result.caches) if sharded else []))
     return 0
 
 
-def _summary_lines(model, model_path, config, result, shipped, blas_library, args) -> list:
+def _summary_lines(model, model_path, config, backend, result, shipped, blas_library, args) -> list:
     from qfilters_mlx import blas
     from qfilters_mlx.assets.prompts import PASS_KEY, answer_has_pass_key
 
@@ -227,7 +231,7 @@ def _summary_lines(model, model_path, config, result, shipped, blas_library, arg
         ("Model", str(model_path)),
         ("Layers", describe(result.caches)),
         ("BLAS", blas.describe(blas_library)),
-        ("Cache config", f"{cache_options.describe_config(config)} backend={config.qfilters_backend} "
+        ("Cache config", f"{cache_options.describe_config(config)} backend={backend} "
                          f"({','.join(backends) or 'none'})"),
     ]
     if getattr(args, "kv_bits", None) is not None:

@@ -144,20 +144,21 @@ def draft_config(config):
     return replace(config, head_dim=None)
 
 
-def build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config, flag="--draft-model"):
+def build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config, builder,
+                flag="--draft-model"):
     """``(draft_model, draft caches)`` after the checks speculative decoding needs: the same
     vocabulary, and rewinds deep enough for ``--num-draft-tokens`` rejected drafts (mlx-lm trims
     up to that many tokens from both models' caches; a deeper rewind would raise mid-generation).
-    Errors go to ``parser.error``."""
-    from qfilters_mlx.cache.builder import KVCacheBuilder
-
+    ``builder`` (a :class:`~qfilters_mlx.cache.builder.KVCacheBuilder`) builds the main model's
+    caches too. Errors go to ``parser.error``."""
     if draft_tokenizer is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
         parser.error(f"{flag}: its tokenizer does not match the model's")
-    if config.method != "full" and args.num_draft_tokens > config.qfilters_max_rewind:
+    depth = builder.options_for(config).max_rewind
+    if config.method != "full" and args.num_draft_tokens > depth:
         parser.error(f"--num-draft-tokens {args.num_draft_tokens} is more than the caches can rewind "
-                     f"after an eviction (--max-rewind {config.qfilters_max_rewind}): raise --max-rewind")
-    return draft_model, KVCacheBuilder.for_model(draft_model, draft_config(config),
-                                                 tokenizer=draft_tokenizer or tokenizer)
+                     f"after an eviction (--max-rewind {depth}): raise --max-rewind")
+    return draft_model, builder.for_model(draft_model, draft_config(config),
+                                          tokenizer=draft_tokenizer or tokenizer)
 
 
 def make_sampler_from_args(args):

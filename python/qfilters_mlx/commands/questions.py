@@ -74,8 +74,9 @@ def compress_config(parser, args, config):
         parser.error(f"--growth must be >= 0, got {growth}")
     at = "manual" if args.context_file is not None else "prompt_end"
     try:
-        return replace(config, qfilters_mode="compress_once", qfilters_compression_ratio=ratio,
-                       qfilters_growth=growth, qfilters_compress_at=at,
+        from qfilters_mlx.config import CompressOnce
+
+        return replace(config, mode=CompressOnce(ratio=ratio, growth=growth, at=at),
                        qfilters_recent=args.recent)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
@@ -128,8 +129,8 @@ def run_questions(parser, args, config, blas_library=None) -> int:
 
     import mlx.core as mx
 
-    from qfilters_mlx.cache.builder import KVCacheBuilder
     from qfilters_mlx.cache.compression import compress_caches
+    from qfilters_mlx.commands import cache_options
     from qfilters_mlx.filters.observe import observe_queries
 
     if args.seed is not None:
@@ -139,7 +140,8 @@ def run_questions(parser, args, config, blas_library=None) -> int:
     ctx, qs = split_prompt(tokenizer, context, args.question, system_prompt=args.system_prompt,
                            ignore_chat_template=args.ignore_chat_template, template_kwargs=kwargs)
     try:
-        caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
+        caches = cache_options.builder_from_args(parser, args).for_model(
+            model, config, tokenizer=tokenizer, model_path=model_path)
     except (ValueError, TypeError, OSError) as err:
         parser.error(str(err))
     tic = time.perf_counter()
@@ -179,8 +181,9 @@ def describe(config) -> str:
 
     if config.method == "full":
         return describe_config(config)
-    target = (f"compression_ratio={config.qfilters_compression_ratio}"
-              if config.qfilters_compression_ratio is not None else f"budget={config.qfilters_budget}")
-    growth = "unbounded" if config.qfilters_growth is None else config.qfilters_growth
+    mode = config.mode
+    ratio, growth = getattr(mode, "ratio", None), getattr(mode, "growth", None)
+    target = f"compression_ratio={ratio}" if ratio is not None else f"budget={config.qfilters_budget}"
+    growth = "unbounded" if growth is None else growth
     return (f"{target} n_sink={config.qfilters_n_sink} recent={config.qfilters_recent} "
             f"growth={growth}")

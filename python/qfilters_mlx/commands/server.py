@@ -44,6 +44,7 @@ from pathlib import Path
 __all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
+_BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by run; None: defaults)
 
 DEFAULT_MAX_REWIND = 16
 """Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
@@ -94,6 +95,13 @@ def cache_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _builder():
+    """The :class:`~qfilters_mlx.cache.builder.KVCacheBuilder` of the server's build flags."""
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+
+    return _BUILDER if _BUILDER is not None else KVCacheBuilder()
+
+
 def _served(cache_args, model_path):
     """The names a request may use for what this server was started with (:class:`Served`)."""
     from qfilters_mlx.commands.server_requests import Served
@@ -108,7 +116,8 @@ def _served(cache_args, model_path):
     if cache_args.adapter_path is not None:
         adapters = {cache_args.adapter_path, str(Path(cache_args.adapter_path).resolve())}
     return Served(model_names=names, draft_names=draft, adapter_names=adapters,
-                  allow_switch=cache_args.allow_model_switch, max_rewind=_CONFIG.qfilters_max_rewind,
+                  allow_switch=cache_args.allow_model_switch,
+                  max_rewind=_builder().options_for(_CONFIG).max_rewind,
                   has_draft=cache_args.draft_model is not None,
                   default_draft_tokens=cache_args.num_draft_tokens)
 
@@ -119,7 +128,6 @@ def _classes(served=None, max_body_bytes=None):
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 
-    from qfilters_mlx.cache.builder import KVCacheBuilder
     from qfilters_mlx.commands.server_cache import prompt_cache_class
     from qfilters_mlx.commands.server_http import generator_class, handler_class
     from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES
@@ -139,8 +147,8 @@ def _classes(served=None, max_body_bytes=None):
                 super()._load(model_path, adapter_path, draft_model_path)
                 folder = (model_path if isinstance(model_path, str) and Path(model_path).is_dir()
                           else None)
-                report = KVCacheBuilder.install(self.model, _CONFIG, tokenizer=self.tokenizer,
-                                                model_path=folder)
+                report = _builder().install(self.model, _CONFIG, tokenizer=self.tokenizer,
+                                            model_path=folder)
                 draft = None
                 if self.draft_model is not None:  # its own folder's tokenizer when it has one;
                     # the served tokenizer only if the vocabularies agree (else its ids overrun)
@@ -148,7 +156,7 @@ def _classes(served=None, max_body_bytes=None):
                     d_folder = d if isinstance(d, str) and Path(d).is_dir() else None
                     same_vocab = (_vocab_size(self.draft_model, self.tokenizer)
                                   == _vocab_size(self.model, self.tokenizer))
-                    draft = KVCacheBuilder.install(
+                    draft = _builder().install(
                         self.draft_model, _CONFIG, model_path=d_folder,
                         tokenizer=None if d_folder or not same_vocab else self.tokenizer)
             except Exception as err:
@@ -204,7 +212,8 @@ def _config(parser, args):
 def run(parser, args, blas_library: str | None = None) -> int:
     """Parse the cache flags, print them, and run ``mlx_lm.server.main`` with the rest
     (and with this package's model provider, prompt cache, generation loop and handler)."""
-    global _CONFIG
+    global _BUILDER, _CONFIG
+    from qfilters_mlx.commands.cache_options import builder_from_args
     from qfilters_mlx.commands.model_path import resolve_model
 
     argv = list(args.server_args)
@@ -219,6 +228,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
         cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
                                     if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
+    _BUILDER = builder_from_args(ours, cache_args)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
                  "--num-draft-tokens", str(cache_args.num_draft_tokens)]
@@ -235,8 +245,8 @@ def run(parser, args, blas_library: str | None = None) -> int:
     else:
         rest.append("--help")
     server, provider, prompt_cache, generator, handler = _classes(served, cache_args.max_body_bytes)
-    print(f"qfilters-mlx server: KV cache {described} max_rewind={_CONFIG.qfilters_max_rewind} "
-          f"backend={_CONFIG.qfilters_backend}"
+    print(f"qfilters-mlx server: KV cache {described} max_rewind={_builder().options_for(_CONFIG).max_rewind} "
+          f"backend={_builder().options_for(_CONFIG).backend}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
     http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider, prompt_cache

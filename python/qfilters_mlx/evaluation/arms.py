@@ -59,12 +59,13 @@ class Arm:
 
     def config(self, budget: int, *, n_sink: int = 4, calib_tokens: int = 128, seed: int = 0,
                backend: str = "auto", head_dim: int | None = None):
-        """The validated ``KVCacheConfig`` of this arm at ``budget``.
+        """The validated ``KVCacheConfig`` of this arm at ``budget``, handing ``backend`` to the
+        caches :meth:`make_cache` makes from it (``KVCacheConfig.with_build_options``).
 
         Raises:
             ValueError: the combination is invalid (e.g. ``n_sink + recent >= budget``).
         """
-        from qfilters_mlx.config import KVCacheConfig
+        from qfilters_mlx.config import BuildOptions, KVCacheConfig
 
         return KVCacheConfig(
             method=self.method,
@@ -75,9 +76,8 @@ class Arm:
             qfilters_calib_tokens=calib_tokens,
             qfilters_sign=self.sign,
             qfilters_seed=seed,
-            qfilters_backend=backend,
             qfilters_filter_source=self.filter_source,
-        )
+        ).with_build_options(BuildOptions(backend=backend))
 
     def make_cache(self, config, layer_idx: int):
         """One layer's cache for this arm."""

@@ -68,15 +68,16 @@ def protocol_arms(filters=None) -> list[tuple[str, str, object]]:
 
 
 def _config(method: str, protocol: str, kept: float, tokens: int, backend: str, head_dim: int):
-    from qfilters_mlx.config import KVCacheConfig
+    from qfilters_mlx.config import BuildOptions, CompressOnce, KVCacheConfig
 
+    options = BuildOptions(backend=backend)
     if protocol == "streaming":
         return KVCacheConfig(method=method, head_dim=head_dim, qfilters_budget=max(8, int(tokens * kept)),
-                             qfilters_backend=backend, qfilters_filter_source="keys", qfilters_sign=1)
-    return KVCacheConfig(method=method, head_dim=head_dim, qfilters_mode="compress_once",
-                         qfilters_compression_ratio=1.0 - kept, qfilters_compress_at="manual",
+                             qfilters_filter_source="keys", qfilters_sign=1).with_build_options(options)
+    return KVCacheConfig(method=method, head_dim=head_dim,
+                         mode=CompressOnce(ratio=1.0 - kept, at="manual"),
                          qfilters_n_sink=4 if method == "streaming_llm" else 0,
-                         qfilters_backend=backend, qfilters_filter_source="keys", qfilters_sign=1)
+                         qfilters_filter_source="keys", qfilters_sign=1).with_build_options(options)
 
 
 def _row(method, filters, config, n_layers):

@@ -86,13 +86,13 @@ def compress_row(arm: RulerArm, ratio: float, kv: list, head_dim: int, *, calibr
     """
     from qfilters_mlx.cache.compression import compress_caches
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
-    from qfilters_mlx.config import KVCacheConfig
+    from qfilters_mlx.config import BuildOptions, CompressOnce, KVCacheConfig
 
-    cfg = KVCacheConfig(method=arm.method, head_dim=head_dim, qfilters_mode="compress_once",
-                        qfilters_compression_ratio=float(ratio), qfilters_compress_at="manual",
+    cfg = KVCacheConfig(method=arm.method, head_dim=head_dim,
+                        mode=CompressOnce(ratio=float(ratio), at="manual"),
                         qfilters_n_sink=arm.n_sink, qfilters_recent=0, qfilters_sign=1,
                         qfilters_filter_source="queries" if arm.filters == "online" else "keys",
-                        qfilters_seed=seed, qfilters_backend=backend)
+                        qfilters_seed=seed).with_build_options(BuildOptions(backend=backend))
     filters = _layer_filters(arm, calibrated, online, len(kv))
     row = [QFiltersKVCache(cfg, layer_idx=i, filters=f) for i, f in enumerate(filters)]
     for c, (k, v) in zip(row, kv):
@@ -111,11 +111,12 @@ def streaming_row(arm: RulerArm, ratio: float, context_tokens: int, head_dim: in
         ValueError: the budget is too small for the arm's sinks and window, or filters are missing.
     """
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
-    from qfilters_mlx.config import KVCacheConfig
+    from qfilters_mlx.config import BuildOptions, KVCacheConfig
 
     budget = int((1 - ratio) * context_tokens)
     cfg = KVCacheConfig(method=arm.method, head_dim=head_dim, qfilters_budget=budget, qfilters_sign=1,
                         qfilters_filter_source="queries" if arm.filters == "online" else "keys",
-                        qfilters_calib_tokens=calib_tokens, qfilters_seed=seed, qfilters_backend=backend)
+                        qfilters_calib_tokens=calib_tokens, qfilters_seed=seed,
+                        ).with_build_options(BuildOptions(backend=backend))
     filters = [None] * n_layers if arm.filters == "online" else _layer_filters(arm, calibrated, None, n_layers)
     return [QFiltersKVCache(cfg, layer_idx=i, filters=f) for i, f in enumerate(filters)]

@@ -137,12 +137,12 @@ def greedy_until_eos(model, caches, tokens: list[int], rows: int, max_tokens: in
 def _prefill(model, context: list[int], chunk: int, head_dim: int, calib_tokens: int, backend: str):
     """The context's keys/values per layer and the online query filter per layer."""
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
-    from qfilters_mlx.config import KVCacheConfig
+    from qfilters_mlx.config import BuildOptions, CompressOnce, KVCacheConfig
     from qfilters_mlx.filters.observe import observe_queries
 
-    cfg = KVCacheConfig(method="qfilters", head_dim=head_dim, qfilters_mode="compress_once",
-                        qfilters_compress_at="manual", qfilters_filter_source="queries",
-                        qfilters_calib_tokens=calib_tokens, qfilters_backend=backend)
+    cfg = KVCacheConfig(method="qfilters", head_dim=head_dim, mode=CompressOnce(at="manual"),
+                        qfilters_filter_source="queries", qfilters_calib_tokens=calib_tokens,
+                        ).with_build_options(BuildOptions(backend=backend))
     caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(len(model.layers))]
     with observe_queries(model, caches):
         for i in range(0, len(context), chunk):

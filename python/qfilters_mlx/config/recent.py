@@ -1,6 +1,6 @@
-"""Per-head recent windows in :class:`qfilters_mlx.config.KVCacheConfig`.
+"""Per-head recent windows of :class:`qfilters_mlx.config.KVCacheConfig`.
 
-``qfilters_recent`` is one int (every layer and KV head, as before), a per-head table
+``qfilters_recent`` is one int (every layer and KV head), a per-head table
 ``[n_layers, n_kv_heads]`` or one row ``[n_kv_heads]`` shared by every layer (nested
 sequences or an array of ints), or ``"calibrated"``: the table stored for this budget
 and sink count in the filters file ``qfilters_filters`` (written by

@@ -1,0 +1,38 @@
+"""The validated configuration of the eviction method, and the options of how caches are built.
+
+* :class:`KVCacheConfig` (:mod:`.method`): what the eviction method is; its mode is
+  :class:`Streaming` or :class:`CompressOnce` (:mod:`.modes`); per-head recent windows:
+  :mod:`.recent`; the defaults: :mod:`.defaults`.
+* :class:`BuildOptions` (:mod:`.build`): kernel backend, rewind depth, quantized K/V storage
+  (keywords of ``KVCacheBuilder`` and the cache constructors; :data:`DEFAULT_MAX_REWIND`).
+* :mod:`.deprecated`: the earlier flat spellings, still accepted with a warning;
+  :mod:`.state`: the flat form saved prompt caches store.
+
+Every check raises ``ValueError`` (``TypeError`` for a wrong type) naming the field, before
+any cache exists. One frozen configuration is passed down to every cache; never global.
+"""
+
+from qfilters_mlx.config.build import (DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE,
+                                           DEFAULT_MAX_REWIND, KV_BITS, KV_GROUP_SIZES,
+                                           BuildOptions, merge_options)
+from qfilters_mlx.config.checks import INT32_MAX, check_int
+from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
+                                              DEFAULT_FILTER_SOURCE, DEFAULT_KEY_SIGN,
+                                              DEFAULT_METHOD, DEFAULT_N_SINK,
+                                              DEFAULT_RECENT_FRACTION, DEFAULT_SEED, DEFAULT_SIGN,
+                                              FILTER_SOURCES, METHODS, default_recent,
+                                              default_sign)
+from qfilters_mlx.config.method import KVCacheConfig
+from qfilters_mlx.config.modes import COMPRESS_AT, MODES, CompressOnce, Streaming
+from qfilters_mlx.config.recent import layer_recent, per_layer_table, resolve_recent
+from qfilters_mlx.config.state import config_from_state, config_to_state
+
+__all__ = [
+    "COMPRESS_AT", "DEFAULT_BACKEND", "DEFAULT_BUDGET", "DEFAULT_CALIB_TOKENS",
+    "DEFAULT_FILTER_SOURCE", "DEFAULT_KEY_SIGN", "DEFAULT_KV_GROUP_SIZE", "DEFAULT_MAX_REWIND",
+    "DEFAULT_METHOD", "DEFAULT_N_SINK", "DEFAULT_RECENT_FRACTION", "DEFAULT_SEED", "DEFAULT_SIGN",
+    "FILTER_SOURCES", "INT32_MAX", "KV_BITS", "KV_GROUP_SIZES", "METHODS", "MODES",
+    "BuildOptions", "CompressOnce", "KVCacheConfig", "Streaming", "check_int",
+    "config_from_state", "config_to_state", "default_recent", "default_sign", "layer_recent",
+    "merge_options", "per_layer_table", "resolve_recent",
+]

@@ -1,0 +1,124 @@
+"""How caches are built, apart from the eviction method: the kernel backend, the rewind depth
+and the K/V storage. Keyword arguments of ``KVCacheBuilder(...)``, ``KVCacheBuilder.for_model``,
+``KVCacheBuilder.install`` and the cache constructors; :class:`BuildOptions` holds one checked
+set of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from qfilters_mlx.backends.dispatch import BACKENDS
+from qfilters_mlx.config.checks import check_choice, check_int
+
+DEFAULT_BACKEND = "auto"
+"""The fastest backend available (see :mod:`qfilters_mlx.backends.dispatch`)."""
+DEFAULT_MAX_REWIND = 0
+"""Tokens ``trim`` can rewind after an eviction by default: none, because the rewind journal
+doubles the decode-step cost (docs/configuration.md, "Rewinding")."""
+KV_BITS = (2, 4, 8)
+"""``kv_bits`` values: the widths whose packed rows fill whole uint32 words (mlx-lm's
+``QuantizedKVCache`` allocates ``head_dim * bits / 32`` words per row)."""
+KV_GROUP_SIZES = (32, 64, 128)
+"""``kv_group_size`` values ``mx.quantize`` supports."""
+DEFAULT_KV_GROUP_SIZE = 64
+"""mlx-lm's ``--kv-group-size`` default."""
+
+NAMES = {"backend": "backend", "max_rewind": "max_rewind", "kv_bits": "kv_bits",
+         "kv_group_size": "kv_group_size"}
+"""The options' keyword names (what errors name)."""
+
+
+def check_build(backend, max_rewind, kv_bits, kv_group_size, head_dim=None, names=NAMES) -> None:
+    """The checks of one set of build options; errors name ``names[option]``.
+
+    Raises:
+        TypeError: ``max_rewind``, ``kv_bits`` or ``kv_group_size`` is not an int.
+        ValueError: ``backend`` not in :data:`BACKENDS`, ``max_rewind < 0``, ``kv_bits`` not
+            in :data:`KV_BITS`, ``kv_group_size`` not in :data:`KV_GROUP_SIZES`, ``kv_bits``
+            with ``max_rewind > 0`` (rewinds replay stored rows at full precision, which a
+            quantized cache no longer has), or ``head_dim`` not a multiple of
+            ``kv_group_size`` with ``kv_bits``.
+    """
+    check_choice(names["backend"], backend, BACKENDS)
+    check_int(names["max_rewind"], max_rewind, 0)
+    if kv_bits is not None:
+        check_int(names["kv_bits"], kv_bits, 1)
+        if kv_bits not in KV_BITS:
+            raise ValueError(f"{names['kv_bits']} must be None or one of {KV_BITS}, got {kv_bits}")
+    check_int(names["kv_group_size"], kv_group_size, 1)
+    if kv_group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"{names['kv_group_size']} must be one of {KV_GROUP_SIZES} (mx.quantize), "
+                         f"got {kv_group_size}")
+    if kv_bits is None:
+        return
+    if max_rewind > 0:
+        raise ValueError(f"{names['kv_bits']}={kv_bits} needs {names['max_rewind']}=0, got "
+                         f"{max_rewind}: a quantized cache cannot rewind after an eviction "
+                         "(speculative decoding with kv_bits is not supported)")
+    if head_dim is not None and head_dim % kv_group_size:
+        raise ValueError(f"head_dim ({head_dim}) must be a multiple of {names['kv_group_size']} "
+                         f"({kv_group_size}) with {names['kv_bits']}={kv_bits}")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """One checked set of build options (the defaults: :data:`DEFAULT_BACKEND`,
+    :data:`DEFAULT_MAX_REWIND`, full-precision storage, :data:`DEFAULT_KV_GROUP_SIZE`).
+
+    Attributes:
+        backend: kernel backend, one of ``"auto"``, ``"reference"``, ``"cpp"``, ``"metal"``;
+            resolved when a cache is built (``get_backend``).
+        max_rewind: tokens ``trim`` can rewind exactly after an eviction (speculative
+            decoding's rejected drafts, prompt-cache prefixes); ``0`` keeps nothing
+            (``is_trimmable()`` is then False). Counted in ``nbytes``.
+        kv_bits: ``None`` (K/V in the model's dtype) or 2, 4, 8: the kept K/V stored
+            quantized as mlx-lm's ``QuantizedKVCache`` stores them; needs ``max_rewind=0``.
+        kv_group_size: quantization group size along the head dimension (32, 64, 128).
+
+    Raises:
+        TypeError, ValueError: see :func:`check_build`.
+    """
+
+    backend: str = DEFAULT_BACKEND
+    max_rewind: int = DEFAULT_MAX_REWIND
+    kv_bits: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        check_build(self.backend, self.max_rewind, self.kv_bits, self.kv_group_size)
+
+    def given(self) -> dict:
+        """The options that differ from the defaults, by name."""
+        default = BuildOptions()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def merge_options(carried: BuildOptions | None, keywords: dict, carried_names: dict) -> BuildOptions:
+    """The options a cache is built with: each keyword that is not ``None``, else the value
+    ``carried`` (set with a configuration's deprecated spelling, else the default).
+
+    Args:
+        carried: options a configuration carries (``None``: the defaults).
+        keywords: ``{option: value or None}`` given where the caches are built.
+        carried_names: the spelling of each carried option in the configuration (errors
+            name it).
+
+    Raises:
+        ValueError: a keyword and a carried non-default value disagree (both named), or a
+            value fails :func:`check_build`.
+    """
+    base = carried or BuildOptions()
+    given = base.given()
+    values = {}
+    for name in NAMES:
+        keyword = keywords.get(name)
+        if keyword is None:
+            values[name] = getattr(base, name)
+            continue
+        if name in given and given[name] != keyword:
+            raise ValueError(f"{name}={keyword!r} conflicts with the configuration's "
+                             f"{carried_names[name]}={given[name]!r}: give it once, as the "
+                             f"keyword {name}= where the caches are built")
+        values[name] = keyword
+    return BuildOptions(**values)

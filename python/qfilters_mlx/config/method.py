@@ -1,0 +1,292 @@
+"""``KVCacheConfig``: what the eviction method is (validated before any cache exists)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field, fields, replace
+
+from qfilters_mlx.config.build import BuildOptions, DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE, \
+    DEFAULT_MAX_REWIND
+from qfilters_mlx.config.checks import check_choice, check_int
+from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
+                                              DEFAULT_FILTER_SOURCE, DEFAULT_METHOD,
+                                              DEFAULT_N_SINK, DEFAULT_SEED, FILTER_SOURCES,
+                                              METHODS, default_recent, default_sign)
+from qfilters_mlx.config.deprecated import fold_build, fold_mode, take_deprecated, warn_deprecated
+from qfilters_mlx.config.modes import STREAMING, CompressOnce, Streaming
+from qfilters_mlx.config.recent import layer_recent, resolve_recent
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """The stored fields of :class:`KVCacheConfig` (documented there)."""
+
+    method: str = DEFAULT_METHOD
+    head_dim: int | None = None
+    qfilters_budget: int = DEFAULT_BUDGET
+    qfilters_n_sink: int = DEFAULT_N_SINK
+    qfilters_recent: int | str | tuple | None = None
+    qfilters_calib_tokens: int = DEFAULT_CALIB_TOKENS
+    qfilters_sign: int | str | None = None
+    qfilters_filter_source: str = DEFAULT_FILTER_SOURCE
+    qfilters_filters: object = field(default=None, compare=False, repr=False)
+    qfilters_seed: int = DEFAULT_SEED
+    mode: Streaming | CompressOnce = STREAMING
+    _build_options: BuildOptions | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, init=False)
+class KVCacheConfig(_Fields):
+    """What the eviction method is: score, budget, protected tokens, filter, mode.
+
+    ``KVCacheConfig()`` is the best measured configuration (the calibrated query filter,
+    budget 256, 4 sinks, recent window budget/2; why: docs/configuration.md and
+    bench/results/eval_smollm2.md). How the caches are built (kernel backend, rewind depth,
+    quantized K/V storage) is not part of it: keywords ``backend``, ``max_rewind``,
+    ``kv_bits``, ``kv_group_size`` of ``KVCacheBuilder(...)``, ``KVCacheBuilder.for_model``,
+    ``KVCacheBuilder.install`` and the cache constructors
+    (:class:`qfilters_mlx.config.BuildOptions`).
+
+    Attributes:
+        method: ``"qfilters"`` (default), ``"l2norm"``, ``"streaming_llm"``, ``"random"`` or
+            ``"full"`` (:data:`METHODS`).
+        head_dim: key head width ``D``; ``None`` (default) takes each layer's from the model.
+        qfilters_budget: tokens kept per layer, KV head and batch row after each call, sinks
+            and recent window included (default 256; every method but ``full``).
+        qfilters_n_sink: leading positions never evicted (default 4; ``< qfilters_budget``).
+        qfilters_recent: trailing positions never evicted: an int, a per-head table
+            ``[n_layers, n_kv_heads]`` or ``[n_kv_heads]`` (each in ``[0, budget - n_sink]``;
+            stored as tuples), or ``"calibrated"`` (the table in the ``qfilters_filters``
+            file for this budget and n_sink; :mod:`qfilters_mlx.config.recent`).
+            ``None`` (default) is resolved at construction: :func:`default_recent` in the
+            streaming mode, 0 in the compress-once mode; reading the field gives the
+            resolved value, so ``dataclasses.replace(config, qfilters_budget=B)`` keeps the
+            old window (pass ``qfilters_recent=None`` again to resolve it for ``B``). With an
+            int, ``n_sink + recent < budget``. ``streaming_llm`` keeps the last
+            ``budget - n_sink`` positions instead.
+        qfilters_calib_tokens: keys (and queries) the online filters are estimated from,
+            then frozen; nothing is evicted before (default 128; not used by the
+            calibrated filter or given filters).
+        qfilters_sign: ``+1`` keeps keys with large ``<k, u>``, ``-1`` small ones, ``"auto"``
+            picks per KV head from the first ``calib_tokens`` queries (needs
+            ``observe_queries``). ``None`` (default) is resolved at construction to
+            :func:`default_sign` of the filter source (``-1`` for ``"keys"``, else ``+1``;
+            ``replace`` with another source must pass ``None`` again). The query filters'
+            sign is fixed by the queries: ``"calibrated"`` takes only ``+1``, ``"queries"``
+            not ``-1``.
+        qfilters_filter_source: ``"calibrated"`` (default: the paper's offline query filter
+            of the model, found or made by ``KVCacheBuilder.for_model``; a cache built
+            directly needs ``filters=``), ``"queries"`` (online, from the first
+            ``calib_tokens`` post-RoPE queries; needs ``observe_queries``) or ``"keys"``
+            (online key-SVD) (:data:`FILTER_SOURCES`).
+        qfilters_filters: given filters ``[n_layers, n_kv_heads, head_dim]``: a path (an
+            existing safetensors file from ``qfilters-mlx calibrate``) or an array; eviction
+            then starts at once and ``calib_tokens`` / ``filter_source`` are not used.
+            Default ``None``. Not compared by ``==``.
+        qfilters_seed: seed of the ``random`` method (default 0; in ``[0, 2**63)``).
+        mode: :class:`Streaming` (default: evict after every call) or
+            :class:`CompressOnce` ``(ratio, growth, at)`` (compress once, then append;
+            not with ``method="full"``, one int recent window).
+
+    Deprecated spellings (each construction with one warns once, ``DeprecationWarning``;
+    they keep working and read back without a warning): ``qfilters_mode``,
+    ``qfilters_compression_ratio``, ``qfilters_growth``, ``qfilters_compress_at`` (now
+    ``mode``), ``qfilters_backend``, ``qfilters_max_rewind``, ``kv_bits``, ``kv_group_size``
+    (now build keywords; a configuration spelled so hands them to the caches built from it,
+    see docs/configuration.md, "Deprecated spellings").
+
+    Raises:
+        ValueError: a field out of range or not one of its choices (the message names the
+            field), ``n_sink >= budget``, ``n_sink + recent >= budget``, a sign that
+            contradicts the filter source, ``qfilters_filters`` neither an existing file nor
+            a 3-d array, compress-once with ``method="full"`` or a per-head window.
+        TypeError: a field of the wrong type (an int that is not an int, a mode that is not
+            :class:`Streaming` / :class:`CompressOnce`).
+    """
+
+    def __init__(self, *args, **kwargs):
+        names = [f.name for f in fields(_Fields)]
+        if len(args) > len(names) - 1:
+            raise TypeError(f"KVCacheConfig takes at most {len(names) - 1} positional arguments")
+        for name, value in zip(names, args):
+            if name in kwargs:
+                raise TypeError(f"KVCacheConfig got multiple values for argument {name!r}")
+            kwargs[name] = value
+        old_mode, old_build = take_deprecated(kwargs)
+        if old_mode or old_build:
+            warn_deprecated(old_mode, old_build, stacklevel=3)
+        super().__init__(**_resolved(kwargs, old_mode, old_build))
+
+    # -- derived values -------------------------------------------------------------------
+    @property
+    def needs_queries(self) -> bool:
+        """Whether the online filter needs observed queries (query source or auto sign)."""
+        return (self.method == "qfilters" and self.qfilters_filters is None
+                and (self.qfilters_filter_source == "queries" or self.qfilters_sign == "auto"))
+
+    @property
+    def score_sign(self) -> int:
+        """The sign applied when scoring (+1 when the filter's own orientation decides)."""
+        return -1 if self.qfilters_sign == -1 else 1
+
+    @property
+    def protected_recent(self):
+        """Trailing positions kept unconditionally (``budget - n_sink`` for StreamingLLM)."""
+        if self.method == "streaming_llm":
+            return self.qfilters_budget - self.qfilters_n_sink
+        return self.qfilters_recent
+
+    @property
+    def compress_once(self) -> bool:
+        """Whether the mode is :class:`CompressOnce`."""
+        return isinstance(self.mode, CompressOnce)
+
+    def layer_recent(self, layer: int):
+        """The recent window of layer ``layer``'s cache: :attr:`protected_recent` when it is
+        one int, else that layer's ``n_kv_heads`` windows (:mod:`qfilters_mlx.config.recent`)."""
+        return layer_recent(self.protected_recent, layer)
+
+    def with_head_dim(self, head_dim: int) -> "KVCacheConfig":
+        """A copy with ``head_dim`` set (validated)."""
+        return replace(self, head_dim=head_dim)
+
+    def with_build_options(self, options: BuildOptions) -> "KVCacheConfig":
+        """A copy that hands ``options`` to a cache made from it alone (``QFiltersKVCache(config)``
+        reads them as ``config.qfilters_backend`` ...), for code that passes one object to where
+        caches are made (evaluation arms, saved caches). Where caches are built, prefer the
+        keywords of ``KVCacheBuilder`` and the cache constructors.
+
+        Raises:
+            TypeError: ``options`` is not a :class:`BuildOptions`.
+            ValueError: ``kv_bits`` with a ``head_dim`` that is no multiple of the group size.
+        """
+        if not isinstance(options, BuildOptions):
+            raise TypeError(f"options must be a BuildOptions, got {type(options).__name__}")
+        return replace(self, _build_options=options if options.given() else None)
+
+    # -- the earlier spellings, read without a warning ----------------------------------
+    @property
+    def qfilters_mode(self) -> str:
+        """``mode.name``: ``"streaming"`` or ``"compress_once"``."""
+        return self.mode.name
+
+    @property
+    def qfilters_compression_ratio(self) -> float | None:
+        """``mode.ratio`` (``None`` in the streaming mode)."""
+        return getattr(self.mode, "ratio", None)
+
+    @property
+    def qfilters_growth(self) -> int | None:
+        """``mode.growth`` (``None`` in the streaming mode)."""
+        return getattr(self.mode, "growth", None)
+
+    @property
+    def qfilters_compress_at(self) -> str:
+        """``mode.at`` (``"prompt_end"`` in the streaming mode)."""
+        return getattr(self.mode, "at", "prompt_end")
+
+    @property
+    def qfilters_backend(self) -> str:
+        """The backend given with ``KVCacheConfig(qfilters_backend=...)``, else the default."""
+        return self._build_options.backend if self._build_options else DEFAULT_BACKEND
+
+    @property
+    def qfilters_max_rewind(self) -> int:
+        """The depth given with ``KVCacheConfig(qfilters_max_rewind=...)``, else
+        :data:`DEFAULT_MAX_REWIND`."""
+        return self._build_options.max_rewind if self._build_options else DEFAULT_MAX_REWIND
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The width given with ``KVCacheConfig(kv_bits=...)``, else ``None``."""
+        return self._build_options.kv_bits if self._build_options else None
+
+    @property
+    def kv_group_size(self) -> int:
+        """The group size given with ``KVCacheConfig(kv_group_size=...)``, else the default."""
+        return self._build_options.kv_group_size if self._build_options else DEFAULT_KV_GROUP_SIZE
+
+
+_SIGNATURE = inspect.signature(_Fields)
+KVCacheConfig.__signature__ = _SIGNATURE.replace(  # what help() and inspect show: the fields
+    parameters=[p for p in _SIGNATURE.parameters.values() if not p.name.startswith("_")])
+
+
+def _resolved(values: dict, old_mode: dict, old_build: dict) -> dict:
+    """The fields of a :class:`KVCacheConfig` from ``values`` (field -> value as given) and
+    the old spellings: checked, ``None`` sign and recent resolved, tables normalised.
+    Raises what :class:`KVCacheConfig` documents."""
+    v = {f.name: f.default for f in fields(_Fields)}
+    unknown = set(values) - set(v)
+    if unknown:
+        raise TypeError(f"KVCacheConfig got unexpected keyword arguments {sorted(unknown)}")
+    v.update(values)
+    check_choice("method", v["method"], METHODS)
+    if v["head_dim"] is not None:
+        check_int("head_dim", v["head_dim"], 1)
+    check_int("qfilters_budget", v["qfilters_budget"], 1)
+    check_int("qfilters_n_sink", v["qfilters_n_sink"], 0)
+    if not isinstance(v["mode"], (Streaming, CompressOnce)):
+        raise TypeError(f"mode must be Streaming() or CompressOnce(...), got {v['mode']!r}")
+    mode = v["mode"] = fold_mode(v["mode"], old_mode)
+    once = isinstance(mode, CompressOnce)
+    recent = v["qfilters_recent"]
+    if recent is None:  # compress-once: no window, as kvpress (the question comes after)
+        recent = 0 if once else default_recent(v["qfilters_budget"], v["qfilters_n_sink"])
+    recent = v["qfilters_recent"] = resolve_recent(
+        recent, v["qfilters_budget"], v["qfilters_n_sink"], v["method"], v["qfilters_filters"])
+    if isinstance(recent, int):
+        check_int("qfilters_recent", recent, 0)
+    elif once:
+        raise ValueError("qfilters_recent: per-head recent windows are for the streaming mode; "
+                         "mode=CompressOnce(...) takes one int window")
+    if v["qfilters_sign"] is None:
+        v["qfilters_sign"] = default_sign(v["qfilters_filter_source"])
+    check_int("qfilters_calib_tokens", v["qfilters_calib_tokens"], 1)
+    check_int("qfilters_seed", v["qfilters_seed"], 0, 2**63 - 1)
+    _check_counts(v, mode)
+    _check_filter(v)
+    if v["_build_options"] is not None and not isinstance(v["_build_options"], BuildOptions):
+        raise TypeError(f"_build_options must be a BuildOptions, got {v['_build_options']!r}")
+    v["_build_options"] = fold_build(v["_build_options"], old_build, v["head_dim"])
+    return v
+
+
+def _check_counts(v: dict, mode) -> None:
+    """Sinks, window and budget against each other; compress-once needs an eviction method."""
+    budget, n_sink, recent = v["qfilters_budget"], v["qfilters_n_sink"], v["qfilters_recent"]
+    if n_sink >= budget:
+        raise ValueError(f"qfilters_n_sink ({n_sink}) must be smaller than qfilters_budget ({budget})")
+    if isinstance(mode, CompressOnce) and v["method"] == "full":
+        raise ValueError("mode=CompressOnce (qfilters_mode='compress_once') needs an eviction "
+                         "method; method='full' keeps every token")
+    ratio = getattr(mode, "ratio", None)
+    if (v["method"] != "streaming_llm" and ratio is None and isinstance(recent, int)
+            and n_sink + recent >= budget):
+        raise ValueError(f"qfilters_n_sink + qfilters_recent ({n_sink} + {recent}) must be "
+                         f"smaller than qfilters_budget ({budget}): no slot would be left for "
+                         "scored tokens")
+
+
+def _check_filter(v: dict) -> None:
+    """The sign, the filter source and given filters, against each other."""
+    sign, source = v["qfilters_sign"], v["qfilters_filter_source"]
+    if isinstance(sign, bool) or sign not in (1, -1, "auto"):
+        raise ValueError(f"qfilters_sign must be +1, -1 or 'auto', got {sign!r}")
+    check_choice("qfilters_filter_source", source, FILTER_SOURCES)
+    if source == "calibrated" and sign != 1:
+        raise ValueError(f"qfilters_sign={sign!r} contradicts qfilters_filter_source='calibrated' "
+                         "(the calibrated query filter's sign is fixed by the queries: +1); for "
+                         "the key-SVD filter pass qfilters_filter_source='keys'")
+    if source == "queries" and sign == -1:
+        raise ValueError("qfilters_sign=-1 contradicts qfilters_filter_source='queries' (the query "
+                         "filter's sign is fixed by the queries); for the key-SVD filter with sign "
+                         "-1 pass qfilters_filter_source='keys'")
+    f = v["qfilters_filters"]
+    if f is not None and not isinstance(f, str) and getattr(f, "ndim", None) != 3:
+        raise ValueError("qfilters_filters must be a path or a [n_layers, n_kv_heads, head_dim] "
+                         f"array, got {type(f).__name__}")
+    if isinstance(f, str) and not os.path.isfile(f):
+        raise ValueError(f"qfilters_filters: no such file: {f!r} (write one with "
+                         "`qfilters-mlx calibrate --out FILE`)")
