@@ -6,7 +6,7 @@ preloaded for both). Ours: ``--budget 64 --filters bench/results/smollm2_filters
 (the calibrated query filter, eviction from the first call) with its defaults otherwise
 (``--max-rewind 16``); the anchor: ``mlx_lm.server`` defaults. Phases, each on fresh servers:
 
-1. **corpus**: every case of ``tests/server_corpus.py``, then the good request; per case the
+1. **corpus**: every case of ``tests/helpers/server_corpus.py``, then the good request; per case the
    status, whether the good request still gets the reference answer, and whether the server
    crashed (process gone) or its generation thread died (``/health`` 503). A crashed or
    dead server is restarted for the next case.
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from server_corpus import CHAT, GOOD_CHAT, TEXT, ServerProcess, answer, cases, get_json, post_json, send  # noqa: E402
+from helpers.server_corpus import CHAT, GOOD_CHAT, TEXT, ServerProcess, answer, cases, get_json, post_json, send  # noqa: E402
 
 import common  # noqa: E402  (fast BLAS; run metadata)
 
@@ -234,7 +234,7 @@ def markdown(res) -> str:
          f"Ours: `--budget {BUDGET} --filters bench/results/smollm2_filters.safetensors` (max_rewind 16 "
          "by default); the anchor: `mlx_lm.server` defaults.", ""]
     if "corpus" in res:
-        L += ["## Bad-input corpus (`tests/server_corpus.py`)", ""]
+        L += ["## Bad-input corpus (`tests/helpers/server_corpus.py`)", ""]
         L += common.md_table(["server", "cases", "status as expected (ours)", "next good request correct",
                               "crashes", "generation-thread deaths"],
                              [[a, c["n"], c["as_expected"], c["next_good_ok"], c["crashes"], c["thread_deaths"]]

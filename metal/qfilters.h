@@ -8,7 +8,7 @@
 //
 // The same text also compiles as C++ on Linux against
 // tests/metal_emu/metal_compat.h (QF_EMULATE), which runs every kernel body
-// with one emulated thread per Metal thread; see tests/test_metal_emulated.py.
+// with one emulated thread per Metal thread; see tests/backends/test_metal_emulated.py.
 // The file must therefore stay self-contained (the JIT header cannot resolve
 // includes) and use only: address-space-free template pointer parameters,
 // QF_TG for threadgroup arrays, threadgroup_barrier, atomic_{store,load,

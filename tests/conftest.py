@@ -7,7 +7,9 @@ from qfilters_mlx.blas import enable_fast_blas
 
 enable_fast_blas()
 
-# Tests import the oracle module from this folder.
+# Tests import the shared helpers (tests/helpers/: `from helpers.oracle import ...`) from this
+# folder; a test module imports another of its own folder by name (pytest puts the folder on
+# sys.path).
 sys.path.insert(0, os.path.dirname(__file__))
 
 

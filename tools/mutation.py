@@ -17,7 +17,7 @@ tests (``DESELECT``) are left out; hypothesis examples x0.1; ``nice -n 19``.
 
 On a loaded machine a niced test process can starve past mutmut's wall-clock limit:
 such "timeouts" (and crashed test processes) are not trusted. ``--recheck`` re-runs
-them (all of ``TESTS``) and the survivors (``RECHECK_TESTS``: the tests written for
+them (all of ``TESTS``) and the survivors (``RECHECK_TESTS``: the files holding the tests written for
 survivors), one fork each, into ``WORKDIR/recheck.json``; ``tools/mutation_report.py``
 merges that with the hand-classified equivalent mutants (``tools/mutation_equivalents.json``) into
 ``bench/results/mutation.json``.
@@ -59,21 +59,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py", "cache/journal.py",
            "cache/persistence.py"]
-# Tests run against the survivors of mutmut's run (``--recheck``): the tests written
-# for them (they are in TESTS too: a fresh run counts them as kills directly).
-RECHECK_TESTS = ["tests/test_exact_rules.py", "tests/test_exact_select.py", "tests/test_exact_cache.py",
-                 "tests/test_exact_slot_mode.py", "tests/test_exact_reference.py", "tests/test_exact_rewind.py",
-                 "tests/test_exact_journal.py"]
-TESTS = ["tests/test_reference.py", "tests/test_cache.py", "tests/test_decode_step.py",
-         "tests/test_cache_oracle.py", "tests/test_properties.py", "tests/test_cache_round_trip.py",
-         "tests/test_rewind.py", "tests/test_perhead_recent.py",
-         "tests/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
+# Tests run against the survivors of mutmut's run (``--recheck``): the files holding the
+# tests written for them (they are in TESTS too: a fresh run counts them as kills directly).
+RECHECK_TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py",
+                 "tests/cache/test_slot_mode.py", "tests/cache/test_rewind.py"]
+TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py", "tests/backends/test_decode_step.py",
+         "tests/cache/test_cache_oracle.py", "tests/cache/test_properties.py", "tests/cache/test_cache_round_trip.py",
+         "tests/cache/test_rewind.py", "tests/backends/test_perhead_recent.py",
+         "tests/filters/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
          *RECHECK_TESTS]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
-DESELECT = ["tests/test_rewind.py::test_speculative_kept_sets_equal_the_numpy_model_fed_the_same_calls",
-            "tests/test_rewind.py::test_speculative_decoding_rewinds_exactly",
-            "tests/test_rewind.py::test_rewind_is_bit_identical_to_never_seeing_the_tokens"]
+DESELECT = ["tests/cache/test_rewind.py::test_speculative_kept_sets_equal_the_numpy_model_fed_the_same_calls",
+            "tests/cache/test_rewind.py::test_speculative_decoding_rewinds_exactly",
+            "tests/cache/test_rewind.py::test_rewind_is_bit_identical_to_never_seeing_the_tokens"]
 
 
 # Imported once by mutmut's fork server; every mutant's test process is forked from it.

@@ -8,7 +8,7 @@ mid-decode, 2 non-finite keys and the tie-break, 3 the recent window, 4 ``eval
 (relative to ``python/qfilters_mlx``); ``old``, the exact source snippet, which
 must occur exactly once in that file; ``new``, what replaces it; ``tests``, the
 pytest ids (files or node ids, relative to the repository root) expected to catch
-it. ``tests/test_planted_bugs_list.py`` checks that every ``old`` is still in the
+it. ``tests/project/test_planted_bugs_list.py`` checks that every ``old`` is still in the
 source exactly once, so the list cannot rot silently.
 
 For each bug the script copies ``python/qfilters_mlx`` (with the compiled
@@ -50,8 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "python" / "qfilters_mlx"
 RESULTS = REPO / "bench" / "results"
 
-ROUND_TRIP = "tests/test_cache_round_trip.py"
-NON_FINITE = "tests/test_cache_oracle.py::test_non_finite_and_tied_keys_in_prefill_and_decode"
+ROUND_TRIP = "tests/cache/test_cache_round_trip.py"
+NON_FINITE = "tests/cache/test_cache_oracle.py::test_non_finite_and_tied_keys_in_prefill_and_decode"
 
 BUGS: list[dict] = [
     # ---- kind 1: saving a cache mid-decode
@@ -82,60 +82,60 @@ BUGS: list[dict] = [
          what="prefill: non-finite scores no longer mapped to -inf",
          old="return mx.where(mx.isfinite(s), s, -mx.inf) if finite else s",
          new="return s",
-         tests=["tests/test_exact_select.py", NON_FINITE]),
+         tests=["tests/backends/test_reference.py", NON_FINITE]),
     dict(name="decode_non_finite_kept", kind=2, file="backends/reference.py",
          what="decode (decode_select): the new token's non-finite score stored as is",
          old="s_new = mx.where(mx.isfinite(s_new), s_new, -mx.inf)",
          new="s_new = s_new",
-         tests=["tests/test_exact_rules.py", NON_FINITE]),
+         tests=["tests/backends/test_reference.py", NON_FINITE]),
     dict(name="select_keep_tie_later_wins", kind=2, file="backends/reference.py",
          what="select_keep: among equal scores the later position wins",
          old="low = mx.array(0xFFFFFFFF, mx.uint32) - pos",
          new="low = pos",
-         tests=["tests/test_reference.py", NON_FINITE]),
+         tests=["tests/backends/test_reference.py", NON_FINITE]),
     dict(name="decode_tie_later_wins", kind=2, file="backends/reference.py",
          what="decode_select: among equal scores the earlier position is evicted",
          old="victim = mx.argmax(mx.where(tied, positions, -1), axis=-1).astype(mx.int32)",
          new="victim = mx.argmin(mx.where(tied, positions, 2**62), axis=-1).astype(mx.int32)",
-         tests=["tests/test_exact_rules.py", NON_FINITE]),
+         tests=["tests/backends/test_reference.py", NON_FINITE]),
     # ---- kind 3: recent window off by one
     dict(name="decode_recent_off_by_one", kind=3, file="backends/reference.py",
          what="decode_select: the recent window one token shorter",
          old="(positions < position + 1 - recent)",
          new="(positions <= position + 1 - recent)",
-         tests=["tests/test_exact_rules.py", "tests/test_decode_step.py"]),
+         tests=["tests/backends/test_reference.py", "tests/backends/test_decode_step.py"]),
     dict(name="select_keep_recent_off_by_one", kind=3, file="backends/reference.py",
          what="select_keep: the recent window one token shorter",
          old="forced = (pos < n_sink) | (pos >= start)",
          new="forced = (pos < n_sink) | (pos > start)",
-         tests=["tests/test_reference.py"]),
+         tests=["tests/backends/test_reference.py"]),
     # ---- kind 4: eval --quick's own checks
     dict(name="quick_random_reproducible_always_true", kind=4, file="evaluation/run.py",
          what="eval --quick: the 'random arm reproducible' check always true",
          old='out["random_reproducible"] = bool(rerun) and all(',
          new='out["random_reproducible"] = True or bool(rerun) and all(',
-         tests=["tests/test_quick_checks.py"]),
+         tests=["tests/evaluation/test_quick_checks.py"]),
     dict(name="quick_budget_covers_always_true", kind=4, file="evaluation/run.py",
          what="eval --quick: the 'budget covering the length equals full' check always true",
          old='"budget_covers_length_equals_full": bool(cover) and all(',
          new='"budget_covers_length_equals_full": True or bool(cover) and all(',
-         tests=["tests/test_quick_checks.py"]),
+         tests=["tests/evaluation/test_quick_checks.py"]),
     # ---- kind 5: error messages, Metal refusal
     dict(name="config_error_without_field_name", kind=5, file="config/checks.py",
          what="KVCacheConfig's int checks no longer name the field (e.g. qfilters_budget=0)",
          old='raise ValueError(f"{name} must be >= {minimum}, got {value}")',
          new='raise ValueError(f"must be >= {minimum}, got {value}")',
-         tests=["tests/test_config_builder.py"]),
+         tests=["tests/cache/test_config_builder.py"]),
     dict(name="cache_input_error_without_name", kind=5, file="cache/kv_cache.py",
          what="update_and_fetch's type check no longer names keys/values",
          old='raise TypeError(f"{name} must be an mx.array, got {type(x).__name__}")',
          new='raise TypeError(f"must be an mx.array, got {type(x).__name__}")',
-         tests=["tests/test_cache.py::test_bad_updates_raise_before_state_changes"]),
+         tests=["tests/cache/test_cache.py::test_bad_updates_raise_before_state_changes"]),
     dict(name="metal_falls_back_to_reference", kind=5, file="backends/dispatch.py",
          what="backend='metal' without Metal silently gives the reference backend",
          old='    if name == "reference":\n',
          new='    if name == "reference" or (name == "metal" and not _metal_available()):\n',
-         tests=["tests/test_config_builder.py"]),
+         tests=["tests/cache/test_config_builder.py"]),
 ]
 
 

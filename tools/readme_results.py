@@ -29,7 +29,7 @@ Usage (from the repository root, the installed package)::
     python tools/readme_results.py            # rewrite the blocks of README.md and docs/*.md
     python tools/readme_results.py --check    # exit 1 naming the stale blocks
 
-``tests/test_readme_results.py`` runs the check, so the tables cannot drift from the
+``tests/project/test_readme_results.py`` runs the check, so the tables cannot drift from the
 committed results.
 """
 

@@ -2,7 +2,7 @@
 
 For checks that need a whole model folder as mlx-lm loads it (``mlx_lm.load``, mlx-lm's
 and our command lines) but no network and no download: the wheel smoke test
-(``tools/wheel_smoke.py``) and the prompt-cache file test (``tests/test_mlx_lm_reads_our_files.py``).
+(``tools/wheel_smoke.py``) and the prompt-cache file test (``tests/commands/test_mlx_lm_reads_our_files.py``).
 The weights are seeded, so two folders written with one seed are identical.
 
 Usage: ``python tools/tiny_model.py FOLDER``.

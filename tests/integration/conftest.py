@@ -5,11 +5,10 @@ first ``import mlx.core`` (see ``qfilters_mlx/blas.py``; the package imports
 mlx lazily, so importing the helper is safe).
 
 This conftest is imported before any mlx import when pytest runs
-``tests/integration`` on its own, and in a full run too because pytest collects
-the ``tests/integration`` folder before the ``tests/test_*.py`` files (sorted
-order). If mlx was imported earlier (e.g. ``pytest tests/test_x.py
-tests/integration``) the tests still pass, only slower; calling
-``enable_fast_blas()`` from ``tests/conftest.py`` covers every order.
+``tests/integration`` on its own. In a full run ``tests/conftest.py`` calls
+``enable_fast_blas()`` first, before any test folder is collected, which covers every
+order; if mlx was imported before either (e.g. by a plugin) the tests still pass,
+only slower.
 """
 
 from __future__ import annotations

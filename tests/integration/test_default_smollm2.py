@@ -16,7 +16,7 @@ def empty_home(tmp_path, monkeypatch):
 
 def test_method_page_example_holds_the_budget_through_mlx_lm_generate(model_path, empty_home, capsys):
     import mlx_lm
-    from method_example import run
+    from helpers.method_example import run
 
     from qfilters_mlx import KVCacheBuilder, KVCacheConfig
 

@@ -1,5 +1,5 @@
 """``qfilters-mlx server`` (SmolLM2, a subprocess on 127.0.0.1) against the bad-input corpus of
-``tests/server_corpus.py``: every case gets its expected status (the error naming the field),
+``tests/helpers/server_corpus.py``: every case gets its expected status (the error naming the field),
 the server then answers the good request exactly as before it, the generation loop never
 restarts and nothing is logged as a traceback; a ``--filters`` file that is not a filters file
 stops the start; CORS allows no origin by default; a completion logs one "request done" line;
@@ -14,7 +14,8 @@ import sys
 import time
 
 import pytest
-from server_corpus import CHAT, GOOD_CHAT, TEXT, Case, ServerProcess, answer, cases, get_json, post_json, send
+
+from helpers.server_corpus import CHAT, GOOD_CHAT, TEXT, Case, ServerProcess, answer, cases, get_json, post_json, send
 
 pytestmark = pytest.mark.integration
 

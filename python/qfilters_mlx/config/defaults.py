@@ -1,5 +1,5 @@
 """The method's choices and defaults, one set for the library and ``qfilters-mlx generate``
-(``tests/test_cli.py`` states them). Why each default: docs/configuration.md ("Fields"), from
+(``tests/commands/test_cli.py`` states them). Why each default: docs/configuration.md ("Fields"), from
 the measurements in bench/results/eval_smollm2.md."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ are left-padded with zeros to the longest row and
 :meth:`MultiArmCache.make_mask` masks the padding out, so one model call
 advances every arm by the same tokens. Each arm's cache sees exactly the
 keys/values of its own row, so its eviction is the one it would make alone
-(checked in ``tests/test_evaluation.py``). Quantized caches (``kv_bits``) batch
+(checked in ``tests/evaluation/test_evaluation.py``). Quantized caches (``kv_bits``) batch
 through :class:`QuantizedMultiArmCache` (one ``bits`` per batch).
 
 :func:`batch_caches` turns per-arm cache lists into the per-layer list a model

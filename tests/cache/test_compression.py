@@ -1,0 +1,277 @@
+"""Compress-once mode (qfilters_mlx.cache.compression) against kvpress's rule written out in
+numpy, against our streaming selection, and through mlx-lm's generate_step.
+
+kvpress 0.5.5 (``ScorerPress.compress``): ``n_kept = int(k_len * (1 - compression_ratio))``;
+``indices = scores.topk(n_kept, dim=-1).indices`` per (batch row, KV head);
+``QFilterPress.score = -(keys * q_filters).sum(-1)`` with kvpress's filters (ours negated:
+``f_kvpress = -f_ours``), ``KnormPress.score = -keys.norm(dim=-1)``,
+``StreamingLLMPress``: the first ``n_sink`` and the last ``n_kept - n_sink`` positions.
+Ties (which torch's topk leaves unspecified) go to the earlier position here, as in our
+selection; the random keys below have none (checked).
+"""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from qfilters_mlx import KVCacheConfig, QFiltersKVCache, compress_caches
+
+B, H, D = 2, 3, 16
+
+
+def _kvpress_keep(keys: np.ndarray, scores_fn, ratio: float, n_sink: int | None = None) -> list:
+    """kvpress's kept positions per (b, h) as sorted lists; ``n_sink`` set: StreamingLLMPress."""
+    T = keys.shape[2]
+    n_kept = int(T * (1 - ratio))
+    out = []
+    for b in range(keys.shape[0]):
+        row = []
+        for h in range(keys.shape[1]):
+            if n_sink is not None:
+                row.append(sorted(list(range(n_sink)) + list(range(T - (n_kept - n_sink), T))))
+                continue
+            s = scores_fn(keys[b, h].astype(np.float64), h)
+            order = sorted(range(T), key=lambda i: (-s[i], i))  # ties: earlier position
+            row.append(sorted(order[:n_kept]))
+        out.append(row)
+    return out
+
+
+def _data(T, seed=0):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    f = rng.standard_normal((H, D)).astype(np.float32)
+    return k, v, f / np.linalg.norm(f, axis=-1, keepdims=True)
+
+
+def _cache(method="qfilters", filters=None, **kw):
+    cfg = dict(method=method, head_dim=D, qfilters_mode="compress_once", qfilters_n_sink=0,
+               qfilters_compress_at="manual", qfilters_backend="reference")
+    cfg.update(kw)
+    f = None if filters is None else mx.array(filters)
+    return QFiltersKVCache(KVCacheConfig(**cfg), filters=f)
+
+
+def _feed(cache, k, v, chunk):
+    for s in range(0, k.shape[2], chunk):
+        cache.update_and_fetch(mx.array(k[:, :, s:s + chunk]), mx.array(v[:, :, s:s + chunk]))
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75, 0.875, 0.3])
+@pytest.mark.parametrize("method", ["qfilters", "l2norm", "streaming_llm"])
+def test_kept_set_equals_kvpress_rule(method, ratio):
+    T = 203
+    k, v, f = _data(T)
+    kv_filters = -f  # kvpress's convention: score = -(k . f_kvpress)
+    fns = {"qfilters": lambda x, h: -(x @ kv_filters[h].astype(np.float64)),
+           "l2norm": lambda x, h: -np.linalg.norm(x, axis=-1)}
+    sink = 4 if method == "streaming_llm" else 0
+    cache = _cache(method, f if method == "qfilters" else None, qfilters_n_sink=sink)
+    _feed(cache, k, v, 64)
+    n_kept = compress_caches([cache], ratio=ratio)
+    want = _kvpress_keep(k, fns.get(method), ratio, sink if method == "streaming_llm" else None)
+    assert n_kept == [int(T * (1 - ratio))]
+    assert cache.kept_positions().tolist() == want
+    # the kept K/V rows are the inputs' rows, bit for bit
+    idx = np.array(want)
+    np.testing.assert_array_equal(np.array(cache.state[0]), np.take_along_axis(k, idx[..., None], axis=2))
+    if method != "streaming_llm":  # no ties in these scores (the documented tie rule never decided)
+        for b in range(B):
+            for h in range(H):
+                s = fns[method](k[b, h].astype(np.float64), h)
+                assert len(np.unique(s)) == T
+
+
+def test_ties_go_to_the_earlier_position():
+    T = 40
+    k, v, f = _data(T)
+    k[:, :, 20:] = k[:, :, :20]  # every score appears twice
+    cache = _cache("l2norm")
+    _feed(cache, k, v, 40)
+    compress_caches([cache], ratio=0.5)
+    want = _kvpress_keep(k, lambda x, h: -np.linalg.norm(x, axis=-1), 0.5)
+    assert cache.kept_positions().tolist() == want
+
+
+@pytest.mark.parametrize("method", ["qfilters", "l2norm", "streaming_llm", "random"])
+def test_equals_streaming_selection_with_recent_0_and_no_growth(method):
+    """An absolute budget, recent 0: one compression keeps what streaming eviction keeps."""
+    T, budget = 150, 37
+    k, v, f = _data(T, seed=1)
+    filt = f if method == "qfilters" else None
+    once = _cache(method, filt, qfilters_budget=budget, qfilters_n_sink=4)
+    _feed(once, k, v, T)
+    once.compress()
+    stream = QFiltersKVCache(KVCacheConfig(method=method, head_dim=D, qfilters_budget=budget,
+                                           qfilters_n_sink=4, qfilters_recent=0,
+                                           qfilters_backend="reference"),
+                             filters=None if filt is None else mx.array(filt))
+    _feed(stream, k, v, 16)  # streaming's kept set does not depend on the chunking
+    assert once.kept_positions().tolist() == stream.kept_positions().tolist()
+    for a, b in zip(once.state[:4], stream.state[:4]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_question_tokens_never_evicted_and_growth_budget():
+    T, Q = 120, 30
+    k, v, f = _data(T + Q, seed=2)
+    cache = _cache("qfilters", f)
+    _feed(cache, k[:, :, :T], v[:, :, :T], 50)
+    compress_caches([cache], ratio=0.75)
+    K = int(T * (1 - 0.75))
+    _feed(cache, k[:, :, T:T + 20], v[:, :, T:T + 20], 20)  # the question
+    for i in range(T + 20, T + Q):  # the answer, one token at a time
+        cache.update_and_fetch(mx.array(k[:, :, i:i + 1]), mx.array(v[:, :, i:i + 1]))
+    pos = np.array(cache.kept_positions())
+    assert pos.shape[2] == K + Q
+    assert (pos[:, :, K:] == np.arange(T, T + Q)).all()
+    # with a growth budget G the cache evicts again past K + G: the top K + G by score
+    # among the compressed rows and the new ones (what select_keep gives)
+    G = 12
+    g = _cache("qfilters", f, qfilters_growth=G)
+    _feed(g, k[:, :, :T], v[:, :, :T], 50)
+    g.compress(ratio=0.75)
+    kept0 = np.array(g.kept_positions())
+    _feed(g, k[:, :, T:T + 20], v[:, :, T:T + 20], 20)
+    for i in range(T + 20, T + Q):
+        g.update_and_fetch(mx.array(k[:, :, i:i + 1]), mx.array(v[:, :, i:i + 1]))
+    got = np.array(g.kept_positions())
+    assert got.shape[2] == K + G
+    for b in range(B):
+        for h in range(H):
+            cand = list(kept0[b, h]) + list(range(T, T + Q))
+            s = {i: float(k[b, h, i].astype(np.float64) @ f[h]) for i in cand}
+            want = sorted(sorted(cand, key=lambda i: (-s[i], i))[:K + G])
+            assert got[b, h].tolist() == want
+
+
+def test_per_question_copies_do_not_leak():
+    T = 100
+    k, v, f = _data(T + 40, seed=3)
+    ctx = _cache("qfilters", f)
+    _feed(ctx, k[:, :, :T], v[:, :, :T], 64)
+    compress_caches([ctx], ratio=0.5)
+    before = [np.array(a) for a in ctx.state[:4]]
+    q1, q2 = copy.deepcopy(ctx), copy.deepcopy(ctx)
+    _feed(q1, k[:, :, T:T + 40], v[:, :, T:T + 40], 40)
+    _feed(q2, k[:, :, T + 5:T + 15], v[:, :, T + 5:T + 15], 10)
+    for a, b in zip(ctx.state[:4], before):  # the compressed context is untouched
+        np.testing.assert_array_equal(np.array(a), b)
+    assert (ctx.size(), ctx.offset) == (50, T)
+    alone = _cache("qfilters", f)  # question 2 alone on a fresh compression
+    _feed(alone, k[:, :, :T], v[:, :, :T], 64)
+    alone.compress(ratio=0.5)
+    _feed(alone, k[:, :, T + 5:T + 15], v[:, :, T + 5:T + 15], 10)
+    for a, b in zip(q2.state[:4], alone.state[:4]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert q1.size() == 90 and q2.size() == 60
+
+
+def test_state_save_load_trim_after_compression(tmp_path):
+    T = 90
+    k, v, f = _data(T + 20, seed=4)
+    c = _cache("qfilters", f)
+    _feed(c, k[:, :, :T], v[:, :, :T], 32)
+    c.compress(ratio=0.5)
+    _feed(c, k[:, :, T:T + 5], v[:, :, T:T + 5], 5)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, [c])
+    (r,) = load_prompt_cache(path)
+    assert r.compressed and r._compressed == c._compressed
+    dup = copy.deepcopy(c)
+    for cache in (c, r, dup):  # all three continue identically (appending, no eviction)
+        for i in range(T + 5, T + 10):
+            cache.update_and_fetch(mx.array(k[:, :, i:i + 1]), mx.array(v[:, :, i:i + 1]))
+    for a, b, d in zip(c.state[:4], r.state[:4], dup.state[:4]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+        np.testing.assert_array_equal(np.array(a), np.array(d))
+    # trim: the tokens after the compression are rewound exactly, not the compression
+    assert c.rewindable_tokens == 10  # (is_trimmable() is False: a deeper trim would raise)
+    assert not c.is_trimmable()
+    assert c.trim(7) == 7
+    ref = _cache("qfilters", f)
+    _feed(ref, k[:, :, :T], v[:, :, :T], 32)
+    ref.compress(ratio=0.5)
+    _feed(ref, k[:, :, T:T + 3], v[:, :, T:T + 3], 3)
+    for a, b in zip(c.state[:4], ref.state[:4]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert c.offset == ref.offset
+    with pytest.raises(ValueError, match="qfilters_max_rewind"):
+        c.trim(4)  # back into the compressed context
+
+
+def test_query_calibrated_filter_then_compress():
+    T, calib = 64, 16
+    k, v, _ = _data(T, seed=5)
+    q = np.random.default_rng(6).standard_normal((B, 2 * H, T, D)).astype(np.float32)
+    c = _cache("qfilters", None, qfilters_filter_source="queries", qfilters_calib_tokens=calib)
+    c.queries_observed = True  # what observe_queries sets
+    c.update_and_fetch(mx.array(k[:, :, :8]), mx.array(v[:, :, :8]))
+    c.observe_queries(mx.array(q[:, :, :8]))
+    with pytest.raises(ValueError, match="qfilters_calib_tokens"):
+        c.compress(ratio=0.5)  # filter not estimated yet: nothing changed
+    assert c.size() == 8
+    for s in range(8, T, 8):
+        c.update_and_fetch(mx.array(k[:, :, s:s + 8]), mx.array(v[:, :, s:s + 8]))
+        c.observe_queries(mx.array(q[:, :, s:s + 8]))
+    assert c.size() == T  # nothing evicted before the compression
+    c.compress(ratio=0.5)
+    f = np.array(c.filter)
+    want = _kvpress_keep(k, lambda x, h: x @ f[h].astype(np.float64), 0.5)
+    assert c.kept_positions().tolist() == want
+
+
+def test_prompt_end_trigger_in_mlx_lm_generate_step():
+    """The automatic trigger under mlx-lm's own loop: the prompt but its last token is
+    compressed; the last prompt token and every generated token are kept."""
+    from mlx_lm.generate import generate_step
+    from helpers.observe_models import build
+
+    from qfilters_mlx import KVCacheBuilder
+
+    model, _ = build("llama")
+    hd = 16
+    filters = mx.random.normal((2, 2, hd))
+    cfg = KVCacheConfig(method="qfilters", qfilters_mode="compress_once", qfilters_n_sink=0,
+                        qfilters_compression_ratio=0.75, qfilters_filters=filters)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    T, steps = 101, 6
+    prompt = mx.array(np.random.default_rng(0).integers(0, 64, T))
+    for _ in zip(range(steps), generate_step(prompt, model, prompt_cache=caches, max_tokens=steps,
+                                              prefill_step_size=32)):
+        pass
+    K = int((T - 1) * 0.25)
+    for c in caches:
+        pos = np.array(c.kept_positions())
+        assert c.compressed and c._compressed == (K, T - 1)
+        assert (pos[..., :K] < T - 1).all()
+        assert (pos[..., K:] == np.arange(T - 1, pos.shape[2] - K + T - 1)).all()
+        assert pos.shape[2] >= K + steps
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="qfilters_mode"):
+        KVCacheConfig(qfilters_mode="once")
+    with pytest.raises(ValueError, match="qfilters_compression_ratio"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_compression_ratio=1.0)
+    with pytest.raises(TypeError, match="qfilters_compression_ratio"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_compression_ratio="0.5")
+    with pytest.raises(ValueError, match="qfilters_compression_ratio.*compress_once"):
+        KVCacheConfig(qfilters_compression_ratio=0.5)  # streaming mode: would be ignored
+    with pytest.raises(ValueError, match="qfilters_growth"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_growth=-1)
+    with pytest.raises(ValueError, match="qfilters_compress_at"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_compress_at="later")
+    with pytest.raises(ValueError, match="method='full'"):
+        KVCacheConfig(method="full", qfilters_mode="compress_once")
+    assert KVCacheConfig(qfilters_mode="compress_once").qfilters_recent == 0
+    streaming = _cache("l2norm", qfilters_mode="streaming")
+    streaming.update_and_fetch(mx.zeros((1, H, 4, D)), mx.zeros((1, H, 4, D)))
+    with pytest.raises(ValueError, match="compress_once"):
+        compress_caches([streaming], ratio=0.5)
+    with pytest.raises(ValueError, match="no QFiltersKVCache"):
+        compress_caches([object()])

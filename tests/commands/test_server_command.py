@@ -1,0 +1,166 @@
+"""``qfilters-mlx server``'s own part (no HTTP: that is tests/integration/test_server_smollm2.py):
+cache flags to a configuration, refusals, the per-request log line, the pass-through of the rest."""
+
+import pytest
+
+from helpers.batch_helpers import config, tiny_llama
+from qfilters_mlx.cache.builder import KVCacheBuilder
+from qfilters_mlx.commands import server, server_cache
+from qfilters_mlx.commands.cli import build_parser
+
+
+def _config(argv):
+    p = server.cache_parser()
+    args, rest = p.parse_known_args(argv)
+    return server._config(p, args), rest
+
+
+def test_default_filter_is_the_libraries_and_flags_pass_through(capsys):
+    from qfilters_mlx import KVCacheConfig
+
+    (cfg, described), rest = _config(["--budget", "64", "--port", "9", "--decode-concurrency", "4"])
+    assert cfg == KVCacheConfig(qfilters_budget=64) and cfg.qfilters_filter_source == "calibrated"
+    assert "budget=64" in described and "filter_source=calibrated" in described
+    assert rest == ["--port", "9", "--decode-concurrency", "4"]
+    assert capsys.readouterr().err == ""  # no silent switch to another filter
+
+
+@pytest.mark.parametrize("argv", [["--filter-source", "queries"], ["--sign", "auto"]])
+def test_query_configurations_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        _config(argv)
+    assert "observed" in capsys.readouterr().err
+
+
+def test_cli_routes_the_rest_to_the_server():
+    args, extra = build_parser().parse_known_args(["server", "--budget", "8", "--host", "0.0.0.0"])
+    assert args.passes_through and extra == ["--budget", "8", "--host", "0.0.0.0"]
+
+
+def test_request_summary_compares_kept_and_full_kv_bytes_like_with_like():
+    """The log line's two K/V figures are both rows x row bytes (kept rows, all tokens' rows);
+    what the cache holds (buffers, scores, filter, journal: ``nbytes``) is given apart."""
+    import mlx.core as mx
+
+    model = tiny_llama()
+    caches = KVCacheBuilder.for_model(model, config())
+    model(mx.array([list(range(40))]), cache=caches)
+    line = server_cache.request_summary(caches, 40)
+    c = caches[0]
+    H, D = c.keys.shape[1], c.keys.shape[3]
+    row = H * 2 * D * c.keys.dtype.size  # one token's K and V in one layer
+    kept = len(caches) * c.tokens_kept * row
+    full = len(caches) * 40 * row
+    assert "40 tokens seen, 16 kept per layer" in line
+    assert f"kept tokens {kept / 1e6:.2f} MB" in line and f"(a full cache) {full / 1e6:.2f} MB" in line
+    assert f"holds {sum(x.nbytes for x in caches) / 1e6:.2f} MB" in line
+
+
+def test_stored_conversations_never_ask_for_a_rewind_the_cache_cannot_do():
+    """mlx-lm's prompt cache would trim a stored, evicted conversation back to a shared prefix;
+    here a trim deeper than ``rewindable_tokens`` is never attempted (the shorter stored prefix
+    is used), one within it is (exactly), and prefixes the new entry cannot rewind to are kept."""
+    import mlx.core as mx
+    import mlx_lm.models.cache as cache_module
+
+    from qfilters_mlx.commands.server_cache import prompt_cache_class, rewind_reach
+
+    model = tiny_llama()
+    store = prompt_cache_class(cache_module)()
+    cfg = config(qfilters_max_rewind=4)
+    toks = list(range(1, 41))
+    head = KVCacheBuilder.for_model(model, cfg)
+    model(mx.array([toks[:10]]), cache=head)
+    store.insert_cache("m", toks[:10], head, cache_type="system")
+    full = KVCacheBuilder.for_model(model, cfg)
+    model(mx.array([toks[:36]]), cache=full)
+    model(mx.array([toks[36:]]), cache=full)
+    assert full[0].evicted and rewind_reach(full) == 4
+    store.insert_cache("m", toks, full)
+    assert len(store) == 2  # the 10-token prefix is 30 tokens back: kept
+    cache, rest = store.fetch_nearest_cache("m", toks[:37] + [99, 98])  # 3 back: a rewind
+    assert rest == [99, 98] and cache[0].offset == 37
+    cache, rest = store.fetch_nearest_cache("m", toks[:20] + [99])  # 20 back: the prefix instead
+    assert rest == toks[10:20] + [99] and cache[0].offset == 10
+
+
+def test_the_generation_loop_restarts_and_fails_the_requests_in_flight():
+    """mlx-lm's loop dies on an uncaught exception ("generation thread died" for every later
+    request); ours restarts it, and a request it had taken gets a GenerationFailed (HTTP 500)."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    import mlx_lm.server as mlx_server
+
+    from qfilters_mlx.commands.server_http import GenerationFailed, error_status, generator_class
+
+    calls = []
+
+    class Provider:
+        cli_args = SimpleNamespace()
+
+        def load_default(self):
+            calls.append(1)
+            if len(calls) == 2:  # the second pass of the loop fails once a request was taken
+                raise RuntimeError("boom")
+
+    gen = None
+
+    class Failing(generator_class(mlx_server)):
+        def _generate(self):
+            self.model_provider.load_default()
+            while not self._stop:
+                if self._next_request(timeout=0.05) is not None:
+                    raise RuntimeError("a request broke the loop")
+
+    gen = Failing(Provider(), mlx_server.LRUPromptCache(2))
+    try:
+        reply = queue.Queue()
+        gen.requests.put((reply, None, None))
+        err = reply.get(timeout=10)
+        assert isinstance(err, GenerationFailed) and error_status(err) == 500
+        deadline = time.time() + 10
+        while gen.loop_restarts < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert gen.loop_restarts == 2 and gen.generation_available()
+    finally:
+        gen.stop_and_join()
+
+
+def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up():
+    """The served model loads in the generation thread before the server answers: its error is
+    raised to the starting thread. A loop that fails on every pass is restarted
+    RESTARTS_ALLOWED times, then given up (unavailable, as mlx-lm's dead thread)."""
+    import time
+    from types import SimpleNamespace
+
+    import mlx_lm.server as mlx_server
+
+    from qfilters_mlx.commands import server_http
+
+    class BadFilters:
+        cli_args = SimpleNamespace()
+
+        def load_default(self):
+            raise ValueError("not a filters file")
+
+    with pytest.raises(ValueError, match="not a filters file"):
+        server_http.generator_class(mlx_server)(BadFilters(), mlx_server.LRUPromptCache(2))
+
+    class Loads:
+        cli_args = SimpleNamespace()
+
+        def load_default(self):
+            pass
+
+    class AlwaysFails(server_http.generator_class(mlx_server)):
+        def _generate(self):
+            raise RuntimeError("every pass")
+
+    gen = AlwaysFails(Loads(), mlx_server.LRUPromptCache(2))
+    deadline = time.time() + 10
+    while gen.generation_available() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not gen.generation_available() and gen.loop_restarts == server_http.RESTARTS_ALLOWED
+    gen.stop_and_join()

@@ -1,0 +1,120 @@
+"""The request checks of ``qfilters-mlx server`` (``commands/server_requests.py``), without HTTP:
+each field's bad values are refused naming the field; good bodies pass (normalised as
+documented); raw bodies that are not UTF-8, too deep or not objects are refused; the corpus
+the integration tier sends agrees with what the checks say. The rule written out here: the
+OpenAI chat/completions field types plus the ranges in the module (vocabulary from ``Served``)."""
+
+import json
+import math
+
+import pytest
+
+from helpers.server_corpus import CHAT, FIELD_VALUES, cases
+from qfilters_mlx.commands.server_requests import MAX_JSON_DEPTH, RequestError, Served, check_body, parse_body
+
+VOCAB = 1000
+SERVED = Served(model_names={"default_model", "/models/m", "m"}, vocab_size=VOCAB, max_rewind=16)
+GOOD = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+def _refused(body, endpoint="chat", served=SERVED):
+    with pytest.raises(RequestError) as info:
+        check_body(body, endpoint, served)
+    return info.value
+
+
+@pytest.mark.parametrize("name,value", [(k, v) for k, vs in FIELD_VALUES.items() for v in vs],
+                         ids=lambda x: str(x)[:20])
+def test_every_bad_field_value_is_refused_naming_the_field(name, value):
+    err = _refused({**GOOD, name: value})
+    assert err.field == name and err.status == 400 and name in str(err)
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"messages": [{"role": "user", "content": "x"}], "temperature": 0, "top_p": 1, "top_k": VOCAB,
+     "min_p": 0.05, "max_tokens": 1, "stop": ["\n", "END"], "logit_bias": {"0": -100, str(VOCAB - 1): 100},
+     "seed": 0, "logprobs": True, "top_logprobs": -1, "n": 1, "stream": True,
+     "stream_options": {}, "model": "m", "draft_model": "default_model",
+     "xtc_probability": 1, "xtc_threshold": 0.5, "presence_penalty": -2, "repetition_penalty": 1.1,
+     "repetition_context_size": 0, "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": [{"role": "system", "content": None},
+                  {"role": "user", "content": [{"type": "text", "text": "a"}]},
+                  {"role": "assistant", "content": "",
+                   "tool_calls": [{"function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                  {"role": "user", "content": "b"}],
+     "tools": [{"type": "function"}], "role_mapping": {"user": "U: "}, "user": "ignored-field"},
+])
+def test_good_bodies_pass_and_are_normalised(body):
+    body = {**GOOD, **body} if "messages" not in body else body
+    out = check_body(json.loads(json.dumps(body)), "chat", SERVED)
+    if "stream_options" in body:
+        assert out["stream_options"] == {"include_usage": False}
+    for name in ("temperature", "top_p", "xtc_probability"):
+        if name in body:
+            assert isinstance(out[name], float) and out[name] == body[name]
+
+
+def test_text_bodies_need_a_prompt_string():
+    assert check_body({"prompt": "x", "max_tokens": 3}, "text", SERVED)["prompt"] == "x"
+    for prompt in (None, 5, "", [1, 2]):
+        assert _refused({"prompt": prompt}, "text").field == "prompt"
+
+
+def test_names_are_refused_the_same_whether_the_path_exists_or_not(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    a = _refused({**GOOD, "model": str(tmp_path)})
+    b = _refused({**GOOD, "model": str(tmp_path / "missing")})
+    assert str(a) == str(b) and a.status == b.status == 400
+    switch = Served(model_names={"default_model"}, allow_switch=True, vocab_size=VOCAB)
+    assert check_body({**GOOD, "model": str(tmp_path)}, "chat", switch)["model"] == str(tmp_path)
+
+
+def test_draft_tokens_beyond_the_rewind_depth_are_refused():
+    drafting = Served(vocab_size=VOCAB, has_draft=True, max_rewind=4, default_draft_tokens=3)
+    check_body({**GOOD, "num_draft_tokens": 4}, "chat", drafting)
+    assert _refused({**GOOD, "num_draft_tokens": 5}, served=drafting).field == "num_draft_tokens"
+    shallow = Served(vocab_size=VOCAB, has_draft=True, max_rewind=2, default_draft_tokens=3)
+    assert _refused(dict(GOOD), served=shallow).field == "num_draft_tokens"  # the default, 3 > 2
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    check_body({**GOOD, "logit_bias": {str(VOCAB - 1): 1}}, "chat", SERVED)
+    for tok in (VOCAB, -1, 10**12):
+        assert "vocabulary" in str(_refused({**GOOD, "logit_bias": {str(tok): 1}}))
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b"\xff\xfe{}", "UTF-8"),
+    (b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), "nested"),
+    (b'{"a": "' + b"[" * 1000 + b'"}', None),  # brackets inside a string do not nest
+    (b'{"t": NaN}', "NaN"),
+    (b'{"t": -Infinity}', "Infinity"),
+    (b"{", "invalid JSON"),
+    (b"[]", "object"),
+])
+def test_raw_bodies(raw, why):
+    if why is None:
+        assert parse_body(raw) == {"a": "[" * 1000}
+        return
+    with pytest.raises(RequestError, match=why) as info:
+        parse_body(raw)
+    assert info.value.status == 400 and info.value.field == "body"
+
+
+def test_numbers_must_be_finite():
+    body = parse_body(b'{"temperature": 1e309}')  # json reads an overflowing literal as inf
+    assert math.isinf(body["temperature"])
+    assert _refused({**GOOD, **body}).field == "temperature"
+
+
+def test_the_corpus_agrees_with_the_checks():
+    """Every corpus case sent as a well-formed chat or text body is refused by these checks
+    with the status and field the integration tier expects (the rest are transport cases)."""
+    for case in cases():
+        if case.raw is None or case.status != 400 or case.param == "body":
+            continue  # (raw cases: test_raw_bodies)
+        endpoint = "chat" if case.path == CHAT else "text"
+        with pytest.raises(RequestError) as info:
+            check_body(parse_body(case.raw), endpoint, Served(vocab_size=49152))
+        assert (info.value.status, info.value.field) == (400, case.param), case.name
