@@ -59,13 +59,13 @@ def test_reading_the_defaults_by_their_old_names():
                 c.qfilters_compress_at) == ("streaming", None, None, "prompt_end")
         assert (c.qfilters_backend, c.qfilters_max_rewind, c.kv_bits, c.kv_group_size) == (
             "auto", DEFAULT_MAX_REWIND, None, DEFAULT_KV_GROUP_SIZE)
-        assert DEFAULT_MAX_REWIND == 0 and KVCacheBuilder().options_for() == BuildOptions()
+        assert DEFAULT_MAX_REWIND == "auto" and KVCacheBuilder().options_for() == BuildOptions()
         once = KVCacheConfig(mode=CompressOnce(ratio=0.5, growth=3, at="manual"), **KEYS)
         assert (once.qfilters_mode, once.qfilters_compression_ratio, once.qfilters_growth,
                 once.qfilters_compress_at, once.compress_once) == ("compress_once", 0.5, 3, "manual", True)
     # explicit defaults spelled the old way equal the default configuration
     with pytest.warns(DeprecationWarning):
-        assert KVCacheConfig(qfilters_backend="auto", qfilters_max_rewind=0) == KVCacheConfig()
+        assert KVCacheConfig(qfilters_backend="auto", qfilters_max_rewind="auto") == KVCacheConfig()
 
 
 def test_fields_are_the_method_only():

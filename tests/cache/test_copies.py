@@ -217,12 +217,13 @@ def test_a_copy_of_a_cache_waiting_for_queries_is_not_observed(how):
 
 
 def test_lru_prompt_cache_with_the_default_depth_falls_back_to_a_stored_prefix():
-    """With the default qfilters_max_rewind=0 an evicted cache is not trimmable: mlx-lm's
+    """With the default max_rewind="auto" a cache that evicted before anyone asked is_trimmable()
+    has no journal and is not trimmable: mlx-lm's
     LRUPromptCache keeps the shorter stored prefix and a diverging request gets a copy of that
     (never a failed request), which continues exactly like the prefix's own cache."""
     cfg = KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
                         qfilters_calib_tokens=8, qfilters_filter_source="keys")
-    assert cfg.qfilters_max_rewind == 0
+    assert cfg.qfilters_max_rewind == "auto"
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 61, 20)]
     lru = LRUPromptCache()
     short = KVCacheBuilder.for_model(MODEL, cfg)

@@ -36,7 +36,7 @@ from test_rewind import DRAFT, MAIN, observable, prompt_tokens, rand_kv
 
 BASE = dict(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=0, qfilters_calib_tokens=8,
             qfilters_filter_source="keys")
-# Every evicting kind with the default qfilters_max_rewind=0.
+# Every evicting kind (the refusal tests build them with max_rewind=0).
 KINDS = {
     "streaming": {},
     "streaming_llm": {"method": "streaming_llm"},
@@ -53,10 +53,10 @@ def spec(caches, n_draft=3, prompt=None, max_tokens=20):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_speculative_decoding_with_a_cache_that_cannot_rewind_is_refused_before_the_prompt(kind):
-    """Rejected drafts after an eviction, with the default config: mlx-lm's start check refuses (main: the run went on
-    with rejected drafts in the cache, offset 116 against a plain cache's 59)."""
+    """Rejected drafts after an eviction with ``max_rewind=0``: mlx-lm's start check refuses (it
+    used to go on with rejected drafts in the cache, offset 116 against a plain cache's 59)."""
     config = KVCacheConfig(**{**BASE, **KINDS[kind]})
-    caches = KVCacheBuilder.for_model(MAIN, config) + make_prompt_cache(DRAFT)
+    caches = KVCacheBuilder.for_model(MAIN, config, max_rewind=0) + make_prompt_cache(DRAFT)
     assert not any(c.is_trimmable() for c in caches[:2])
     assert not QuantizedQFiltersKVCache(QUANTIZED).is_trimmable()  # (MAIN's head_dim 8 < group 32)
     with pytest.raises(ValueError, match="trimmable prompt cache.*QFiltersKVCache"):
@@ -72,7 +72,7 @@ def test_speculative_decoding_with_a_cache_that_cannot_rewind_is_refused_before_
 
 def test_speculative_through_make_cache_is_refused_before_the_prompt():
     """``mlx_lm.generate(..., draft_model=...)`` builds the caches with ``model.make_cache``."""
-    KVCacheBuilder.install(MAIN, KVCacheConfig(**BASE))
+    KVCacheBuilder.install(MAIN, KVCacheConfig(**BASE), max_rewind=0)
     try:
         with pytest.raises(ValueError, match="trimmable prompt cache.*QFiltersKVCache"):
             spec(None)
@@ -277,3 +277,105 @@ def test_shared_kv_architectures_run_and_equal_their_own_caches(name):
     model(mx.array([tokens[30:31]]), cache=caches)
     sized = [c for _, c in walk(caches) if isinstance(c, QFiltersKVCache)]
     assert sized and all(c.size() == budget and c.offset == 31 for c in sized)
+
+
+# ------------------------------------------------- rewinds on demand (the default)
+AUTO_KINDS = {"streaming": {}, "streaming_llm": {"method": "streaming_llm"}, "l2norm": {"method": "l2norm"}}
+# (compress-once's prompt_end trigger fires on the first single-token call, which the replay of
+# accepted tokens places elsewhere than speculative decoding: not a reference for that mode)
+
+
+@pytest.mark.parametrize("kind", AUTO_KINDS)
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_speculative_decoding_with_the_default_caches_rewinds_exactly(kind, n_draft):
+    """``max_rewind="auto"`` (the default): mlx-lm's start check turns the journal on, and every
+    accepted and corrected token is what the main model gives when fed only the accepted tokens
+    in the same calls (rejected drafts leave no trace); the caches end like that replay's."""
+    from test_rewind import replay_accepted
+
+    config = KVCacheConfig(**{**BASE, **AUTO_KINDS[kind]})
+    for seed in range(6):
+        prompt = prompt_tokens(seed, 40)
+        caches = KVCacheBuilder.for_model(MAIN, config)
+        assert all(c.journal_nbytes == 0 and not c._journal.active for c in caches)
+        out = [(int(t), bool(d)) for t, _, d in speculative_generate_step(
+            prompt, MAIN, DRAFT, num_draft_tokens=n_draft, max_tokens=24,
+            prompt_cache=caches + make_prompt_cache(DRAFT))]
+        if not any(not d for _, d in out[:-1]):
+            continue  # no rejected draft: no rewind to check
+        tokens, ref = replay_accepted(config, prompt, out)
+        assert tokens == [t for t, _ in out]
+        for a, b in zip(caches, ref):
+            assert a.offset == b.offset and a.evicted and a.size() == b.size()
+            np.testing.assert_array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
+        return
+    pytest.fail("no seed rejected a draft")
+
+
+def test_auto_journal_turns_on_only_when_asked_before_the_first_eviction():
+    """The rule written out: asked before any eviction -> True and journaling AUTO_REWIND tokens;
+    never asked -> no journal bytes however long it runs; asked first after an eviction -> False
+    (and mlx-lm's trim_prompt_cache changes nothing); quantized storage -> False; max_rewind=0 ->
+    False; a rewind deeper than AUTO_REWIND raises naming max_rewind before changing anything."""
+    from qfilters_mlx.config import AUTO_REWIND
+
+    k, v = rand_kv(5)
+    never = QFiltersKVCache(KVCacheConfig(**BASE))
+    asked = QFiltersKVCache(KVCacheConfig(**BASE))
+    late = QFiltersKVCache(KVCacheConfig(**BASE))
+    assert asked.is_trimmable() and asked._journal.depth == AUTO_REWIND
+    for c in (never, asked, late):
+        c.update_and_fetch(k[:, :, :30], v[:, :, :30])
+        for t in range(30, 60):
+            c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert never.journal_nbytes == 0 and asked.journal_nbytes > 0
+    before = observable(late)
+    assert not late.is_trimmable() and trim_prompt_cache([late], 3) == 0
+    for x, y in zip(before, observable(late)):
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    # within the journal: exactly the cache that never saw the tokens
+    ref = QFiltersKVCache(KVCacheConfig(**BASE))
+    ref.update_and_fetch(k[:, :, :30], v[:, :, :30])
+    for t in range(30, 60 - AUTO_REWIND):
+        ref.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    deeper = copy.deepcopy(asked)
+    assert trim_prompt_cache([asked], AUTO_REWIND) == AUTO_REWIND
+    for x, y in zip(observable(asked), observable(ref)):
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    before = observable(deeper)
+    with pytest.raises(ValueError, match="max_rewind='auto'"):
+        deeper.trim(AUTO_REWIND + 1)
+    for x, y in zip(before, observable(deeper)):
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    assert not QuantizedQFiltersKVCache(QUANTIZED).is_trimmable()
+    assert not QFiltersKVCache(KVCacheConfig(**BASE), max_rewind=0).is_trimmable()
+
+
+def test_auto_depth_round_trips_through_a_prompt_cache_file(tmp_path):
+    """Saved with ``max_rewind="auto"``, loaded the same; a reloaded evicted cache has no journal
+    (files do not carry it) and says False; one that has not evicted says True again."""
+    k, v = rand_kv(6)
+    evicted, fresh = QFiltersKVCache(KVCacheConfig(**BASE)), QFiltersKVCache(KVCacheConfig(**BASE))
+    evicted.update_and_fetch(k[:, :, :30], v[:, :, :30])
+    fresh.update_and_fetch(k[:, :, :10], v[:, :, :10])
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [evicted, fresh])
+    a, b = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert a.max_rewind == b.max_rewind == "auto"
+    assert not a.is_trimmable() and b.is_trimmable()
+
+
+def test_speculative_through_make_cache_runs_with_the_default_config():
+    """``mlx_lm.generate(..., draft_model=...)`` builds the caches with ``model.make_cache``: with
+    the default config it runs (no refusal) and gives what the same caches built by hand give."""
+    config = KVCacheConfig(**BASE)
+    prompt = prompt_tokens(2, 40)
+    want = [int(t) for t, _, _ in speculative_generate_step(
+        prompt, MAIN, DRAFT, num_draft_tokens=3, max_tokens=20,
+        prompt_cache=KVCacheBuilder.for_model(MAIN, config) + make_prompt_cache(DRAFT))]
+    KVCacheBuilder.install(MAIN, config)
+    try:
+        got = [int(t) for t, _, _ in speculative_generate_step(prompt, MAIN, DRAFT, num_draft_tokens=3,
+                                                               max_tokens=20)]
+    finally:
+        del MAIN.make_cache
+    assert got == want and len(got) == 20

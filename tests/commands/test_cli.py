@@ -61,7 +61,7 @@ def test_library_and_cli_defaults_are_one_set():
     assert KVCacheConfig(qfilters_filter_source="keys").qfilters_sign == -1
     assert config_of("--filter-source", "keys").qfilters_sign == -1
     assert KVCacheConfig(qfilters_filter_source="keys", qfilters_sign=1).qfilters_sign == 1
-    assert lib.qfilters_max_rewind == build_options_of().max_rewind == 0  # no journal cost
+    assert lib.qfilters_max_rewind == build_options_of().max_rewind == "auto"  # journal on demand
     assert build_options_of("--draft-model", "D", "--num-draft-tokens", "5").max_rewind == 5
     assert build_options_of("--draft-model", "D", "--max-rewind", "9").max_rewind == 9
     assert build_options_of().backend == "auto"

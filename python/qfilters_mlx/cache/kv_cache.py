@@ -78,7 +78,7 @@ from qfilters_mlx.cache.persistence import Snapshot, decode, encode, for_pickle,
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.config import KVCacheConfig
 from qfilters_mlx.config import check_int
-from qfilters_mlx.config.build import check_build
+from qfilters_mlx.config.build import AUTO, AUTO_REWIND, check_build
 
 __all__ = ["DenseRows", "QFiltersKVCache", "QuantizedQFiltersKVCache", "build_cache",
            "insertion_scores", "random_scores"]
@@ -269,7 +269,8 @@ class QFiltersKVCache(_BaseCache):
         backend = config.qfilters_backend if backend is None else backend
         if max_rewind is None:
             max_rewind = config.qfilters_max_rewind
-        check_int("max_rewind", max_rewind, 0)
+        if max_rewind != AUTO:
+            check_int("max_rewind", max_rewind, 0)
         if self.quantized:
             bits = config.kv_bits if bits is None else bits
             group_size = config.kv_group_size if group_size is None else group_size
@@ -285,7 +286,7 @@ class QFiltersKVCache(_BaseCache):
         self.layer_idx = int(layer_idx)
         self.backend = get_backend(backend)
         self._backend_name = backend  # as requested ("auto" stays "auto" in saved files)
-        self.max_rewind = int(max_rewind)
+        self.max_rewind = AUTO if max_rewind == AUTO else int(max_rewind)
         self.filter_fixed = filters is not None  # given from outside: no calibration
         self.queries_observed = False  # set by observe_queries() while it is active
         self._queries_pending = False  # an update's queries have not arrived yet
@@ -303,7 +304,7 @@ class QFiltersKVCache(_BaseCache):
         # are then not in temporal order; `_leave_slots` restores it.
         self._free = None
         # Rewind journal (exact `trim` after an eviction) and the rows of the free slot.
-        self._journal = RewindJournal(0 if config.method == "full" else self.max_rewind)
+        self._journal = RewindJournal(self._depth_now())
         self._victim_rows = None
         # Compress-once mode: `(K, offset)` of the compression once done; `_saw_chunk`: a
         # multi-token call was seen (the `prompt_end` trigger).
@@ -848,13 +849,31 @@ class QFiltersKVCache(_BaseCache):
         only when no such rewind can fail: ``method="full"`` (never evicts), or
         ``max_rewind > 0`` (the journal makes rewinds exact after an eviction; a
         deeper one raises ``ValueError`` naming the field before changing anything). An
-        evicting cache with ``max_rewind=0`` (the default) says False from the
+        evicting cache with ``max_rewind=0`` says False from the
         start, even before its first eviction: speculative decoding is then refused by
         mlx-lm's start check before the prompt is fed (never rejected drafts left in the
         cache), and mlx-lm's server reuses stored prefixes without trimming them. ``trim``
         itself stays exact where it can be (see :meth:`trim`).
+
+        With ``max_rewind="auto"`` (the default) asking turns the journal on: before the
+        first eviction (nothing is lost yet) the cache starts journaling its last
+        :data:`~qfilters_mlx.config.AUTO_REWIND` tokens and says True, so speculative
+        decoding works with the default cache and costs nothing where nobody asks; after
+        an eviction it had no journal for, or with quantized storage (no journal), False.
         """
-        return self.method == "full" or self.max_rewind > 0
+        if self.method == "full":
+            return True
+        if self.max_rewind != AUTO:
+            return self.max_rewind > 0
+        if not self._journal.active:
+            if self.quantized or self.evicted:
+                return False
+            self._journal = RewindJournal(AUTO_REWIND)
+        return True
+
+    def _depth_now(self) -> int:
+        """The journal depth a new or reloaded cache starts with (``"auto"``: none yet)."""
+        return 0 if self.method == "full" or self.max_rewind == AUTO else self.max_rewind
 
     @property
     def rewindable_tokens(self) -> int:
@@ -883,9 +902,10 @@ class QFiltersKVCache(_BaseCache):
             return can  # a plain trim removes what is stored
         raise ValueError(
             f"cannot rewind {n} tokens after an eviction: this cache can restore the last "
-            f"{can} (qfilters_max_rewind={self.max_rewind}; a cache loaded "
-            "from a file restores only what it saw since); for speculative decoding set "
-            "qfilters_max_rewind >= num_draft_tokens (qfilters-mlx: --max-rewind)"
+            f"{can} (qfilters_max_rewind={self.max_rewind!r}; a cache loaded "
+            "from a file restores only what it saw since; 'auto' journals "
+            f"{AUTO_REWIND} tokens once is_trimmable() is asked before the first eviction); for "
+            "speculative decoding set max_rewind >= num_draft_tokens (qfilters-mlx: --max-rewind)"
         )
 
     def trim(self, n: int) -> int:
@@ -1103,7 +1123,7 @@ class QFiltersKVCache(_BaseCache):
         self._n = 0 if s.rows[0] is None else s.rows[0].shape[2] - (s.free is not None)
         self._free, self._victim_rows = s.free, None
         self.filter = s.filter
-        self._journal = RewindJournal(0 if s.config.method == "full" else max_rewind)
+        self._journal = RewindJournal(self._depth_now())
         self._compressed, self._saw_chunk = s.compressed, s.saw_chunk
         self.keep_last_kv, self._last_kv = s.keep_last_kv, None
 

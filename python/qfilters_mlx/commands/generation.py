@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qfilters_mlx.config.build import rewind_depth
+
 __all__ = ["RunResult", "build_prompt", "load_model", "make_sampler_from_args", "prefill_progress",
            "kv_quantization", "read_prompt", "run_generation"]
 
@@ -153,7 +155,7 @@ def build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config, b
     caches too. Errors go to ``parser.error``."""
     if draft_tokenizer is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
         parser.error(f"{flag}: its tokenizer does not match the model's")
-    depth = builder.options_for(config).max_rewind
+    depth = rewind_depth(builder.options_for(config).max_rewind)
     if config.method != "full" and args.num_draft_tokens > depth:
         parser.error(f"--num-draft-tokens {args.num_draft_tokens} is more than the caches can rewind "
                      f"after an eviction (--max-rewind {depth}): raise --max-rewind")

@@ -12,7 +12,7 @@ Every check raises ``ValueError`` (``TypeError`` for a wrong type) naming the fi
 any cache exists. One frozen configuration is passed down to every cache; never global.
 """
 
-from qfilters_mlx.config.build import (DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE,
+from qfilters_mlx.config.build import (AUTO_REWIND, DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE,
                                            DEFAULT_MAX_REWIND, KV_BITS, KV_GROUP_SIZES,
                                            BuildOptions, merge_options)
 from qfilters_mlx.config.checks import INT32_MAX, check_int
@@ -28,7 +28,7 @@ from qfilters_mlx.config.recent import layer_recent, per_layer_table, resolve_re
 from qfilters_mlx.config.state import config_from_state, config_to_state
 
 __all__ = [
-    "COMPRESS_AT", "DEFAULT_BACKEND", "DEFAULT_BUDGET", "DEFAULT_CALIB_TOKENS",
+    "AUTO_REWIND", "COMPRESS_AT", "DEFAULT_BACKEND", "DEFAULT_BUDGET", "DEFAULT_CALIB_TOKENS",
     "DEFAULT_FILTER_SOURCE", "DEFAULT_KEY_SIGN", "DEFAULT_KV_GROUP_SIZE", "DEFAULT_MAX_REWIND",
     "DEFAULT_METHOD", "DEFAULT_N_SINK", "DEFAULT_RECENT_FRACTION", "DEFAULT_SEED", "DEFAULT_SIGN",
     "FILTER_SOURCES", "INT32_MAX", "KV_BITS", "KV_GROUP_SIZES", "METHODS", "MODES",

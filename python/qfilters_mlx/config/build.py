@@ -12,9 +12,22 @@ from qfilters_mlx.config.checks import check_choice, check_int
 
 DEFAULT_BACKEND = "auto"
 """The fastest backend available (see :mod:`qfilters_mlx.backends.dispatch`)."""
-DEFAULT_MAX_REWIND = 0
-"""Tokens ``trim`` can rewind after an eviction by default: none, because the rewind journal
-doubles the decode-step cost (docs/configuration.md, "Rewinding")."""
+AUTO = "auto"
+DEFAULT_MAX_REWIND = AUTO
+"""Rewinds on demand: no rewind journal (no cost) until mlx-lm asks ``is_trimmable()`` before
+the cache's first eviction (its speculative decoding asks before the prompt, ``trim_prompt_cache``
+before each trim); the cache then journals its last :data:`AUTO_REWIND` tokens and answers
+True. Asked after an eviction it had no journal for, it answers False (mlx-lm then refuses
+speculative decoding up front). docs/configuration.md, "Rewinding"."""
+AUTO_REWIND = 16
+"""The rewind depth ``max_rewind="auto"`` turns on: above the draft lengths mlx-lm uses
+(``--num-draft-tokens`` 3 in ``mlx_lm.generate``, 2 in ``speculative_generate_step``); a deeper
+rewind raises ``ValueError`` naming ``max_rewind`` before changing anything."""
+
+
+def rewind_depth(max_rewind) -> int:
+    """The journal depth a ``max_rewind`` value can reach: :data:`AUTO_REWIND` for ``"auto"``."""
+    return AUTO_REWIND if max_rewind == AUTO else max_rewind
 KV_BITS = (2, 4, 8)
 """``kv_bits`` values: the widths whose packed rows fill whole uint32 words (mlx-lm's
 ``QuantizedKVCache`` allocates ``head_dim * bits / 32`` words per row)."""
@@ -32,7 +45,8 @@ def check_build(backend, max_rewind, kv_bits, kv_group_size, head_dim=None, name
     """The checks of one set of build options; errors name ``names[option]``.
 
     Raises:
-        TypeError: ``max_rewind``, ``kv_bits`` or ``kv_group_size`` is not an int.
+        TypeError: ``max_rewind`` (other than ``"auto"``), ``kv_bits`` or ``kv_group_size`` is
+            not an int.
         ValueError: ``backend`` not in :data:`BACKENDS`, ``max_rewind < 0``, ``kv_bits`` not
             in :data:`KV_BITS`, ``kv_group_size`` not in :data:`KV_GROUP_SIZES`, ``kv_bits``
             with ``max_rewind > 0`` (rewinds replay stored rows at full precision, which a
@@ -40,7 +54,8 @@ def check_build(backend, max_rewind, kv_bits, kv_group_size, head_dim=None, name
             ``kv_group_size`` with ``kv_bits``.
     """
     check_choice(names["backend"], backend, BACKENDS)
-    check_int(names["max_rewind"], max_rewind, 0)
+    if max_rewind != AUTO:
+        check_int(names["max_rewind"], max_rewind, 0)
     if kv_bits is not None:
         check_int(names["kv_bits"], kv_bits, 1)
         if kv_bits not in KV_BITS:
@@ -51,7 +66,7 @@ def check_build(backend, max_rewind, kv_bits, kv_group_size, head_dim=None, name
                          f"got {kv_group_size}")
     if kv_bits is None:
         return
-    if max_rewind > 0:
+    if max_rewind != AUTO and max_rewind > 0:
         raise ValueError(f"{names['kv_bits']}={kv_bits} needs {names['max_rewind']}=0, got "
                          f"{max_rewind}: a quantized cache cannot rewind after an eviction "
                          "(speculative decoding with kv_bits is not supported)")
@@ -69,10 +84,13 @@ class BuildOptions:
         backend: kernel backend, one of ``"auto"``, ``"reference"``, ``"cpp"``, ``"metal"``;
             resolved when a cache is built (``get_backend``).
         max_rewind: tokens ``trim`` can rewind exactly after an eviction (speculative
-            decoding's rejected drafts, prompt-cache prefixes); ``0`` keeps nothing
-            (``is_trimmable()`` is then False). Counted in ``nbytes``.
+            decoding's rejected drafts, prompt-cache prefixes); ``"auto"`` (default,
+            :data:`DEFAULT_MAX_REWIND`): :data:`AUTO_REWIND` once mlx-lm asks
+            ``is_trimmable()`` before the first eviction, else none; ``0`` keeps nothing
+            (``is_trimmable()`` is then False). The journal is counted in ``nbytes``.
         kv_bits: ``None`` (K/V in the model's dtype) or 2, 4, 8: the kept K/V stored
-            quantized as mlx-lm's ``QuantizedKVCache`` stores them; needs ``max_rewind=0``.
+            quantized as mlx-lm's ``QuantizedKVCache`` stores them; needs ``max_rewind`` 0
+            or ``"auto"`` (which then never turns a journal on).
         kv_group_size: quantization group size along the head dimension (32, 64, 128).
 
     Raises:
@@ -80,7 +98,7 @@ class BuildOptions:
     """
 
     backend: str = DEFAULT_BACKEND
-    max_rewind: int = DEFAULT_MAX_REWIND
+    max_rewind: int | str = DEFAULT_MAX_REWIND
     kv_bits: int | None = None
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE
 
