@@ -15,8 +15,9 @@ mlx-lm's ``main``:
   batching (``is_batchable``);
 * ``StoredConversations`` (mlx-lm's ``LRUPromptCache``,
   :mod:`.server_cache`): reuses stored conversations without asking a cache for
-  a rewind it cannot do, and logs each finished request's tokens, bytes, and the
-  bytes all stored conversations hold;
+  a rewind it cannot do, keeps a checkpoint of each prompt every
+  ``--checkpoint-every`` tokens (at most ``--prompt-checkpoints``), and logs each
+  finished request's tokens, bytes, and the bytes all stored caches hold;
 * the request checks and the restarting generation loop of :mod:`.server_http`
   and :mod:`.server_requests`: every body is checked before generation (400 naming
   the field); requests naming another ``model``, ``draft_model`` or ``adapters``
@@ -25,7 +26,9 @@ mlx-lm's ``main``:
 
 The caches rewind :data:`DEFAULT_MAX_REWIND` tokens exactly unless ``--max-rewind``
 says otherwise (``--num-draft-tokens`` at least, with a draft model; 0 with
-``--kv-bits``, whose caches cannot rewind).
+``--kv-bits``, whose caches cannot rewind), and prompts leave a checkpoint every
+``--checkpoint-every`` tokens (default: the rewind depth), so that a new prompt reuses
+every token it shares with a stored one.
 
 The configuration is printed at start, and the log names the filter in use and where it came
 from. The default is the library's: the model's calibrated query filter, found or made once by
@@ -45,14 +48,19 @@ __all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations",
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
 
-DEFAULT_MAX_REWIND = 16
+DEFAULT_MAX_REWIND = 64
 """Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
-otherwise: a stored conversation is then reused by a prompt that leaves it up to this many
-tokens before its end (an edited tail, a re-rendered chat-template tail), and a draft model
-may propose up to this many tokens. Cost: bench/results/server_soak.md."""
+otherwise: a stored conversation or checkpoint is then reused by a prompt that leaves it up to
+this many tokens before its end, and a draft model may propose up to this many tokens. With a
+checkpoint every ``--checkpoint-every`` (default: this many) tokens, every prefix of a stored
+prompt is within reach. Cost (decode speed, bytes): bench/results/server_soak.md."""
 
 DEFAULT_PROMPT_CACHE_SIZE = 30
 """Stored conversations kept (mlx-lm's default is 10 for full caches)."""
+
+DEFAULT_PROMPT_CHECKPOINTS = 64
+"""Prompt checkpoints kept (the oldest dropped first): each holds at most the budget plus two
+``--checkpoint-every`` chunks of rows per layer."""
 
 
 def add_parser(sub) -> None:
@@ -89,9 +97,27 @@ def cache_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache-size", type=int, default=None, metavar="N",
                    help=f"stored conversations kept for reuse (mlx-lm's flag; default "
                         f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus one "
-                        f"chunk, and mlx-lm keeps the prompt's checkpoints of a conversation "
-                        f"that can no longer rewind to them)")
+                        f"chunk)")
+    s.add_argument("--checkpoint-every", type=_count, default=None, metavar="TOKENS",
+                   help="store a checkpoint of each prompt's cache every TOKENS prompt tokens, "
+                        "reused by later prompts sharing that much (default: the rewind depth, "
+                        f"--max-rewind, {DEFAULT_MAX_REWIND} here, so every shared prefix is "
+                        "reused exactly; 0: only mlx-lm's checkpoints, at the end of the system "
+                        "prompt and of the prompt)")
+    s.add_argument("--prompt-checkpoints", type=_count, default=DEFAULT_PROMPT_CHECKPOINTS,
+                   metavar="N",
+                   help=f"checkpoints kept (default {DEFAULT_PROMPT_CHECKPOINTS}; the oldest are "
+                        f"dropped first; each holds at most the budget plus 2 x --checkpoint-every "
+                        f"rows per layer; --prompt-cache-bytes counts them with the conversations)")
     return p
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
 
 
 def _served(cache_args, model_path):
@@ -113,7 +139,8 @@ def _served(cache_args, model_path):
                   default_draft_tokens=cache_args.num_draft_tokens)
 
 
-def _classes(served=None, max_body_bytes=None):
+def _classes(served=None, max_body_bytes=None, checkpoint_every=0,
+             max_checkpoints=DEFAULT_PROMPT_CHECKPOINTS):
     """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
     import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
@@ -168,9 +195,10 @@ def _classes(served=None, max_body_bytes=None):
                 self.served.vocab_size = _vocab_size(self.model, self.tokenizer)
                 self.served.takes_images = self.processor is not None
 
-    prompt_cache = prompt_cache_class(cache_module)
+    prompt_cache = prompt_cache_class(cache_module, max_checkpoints)
     handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES)
-    return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
+    return (server, QFiltersModelProvider, prompt_cache, generator_class(server, checkpoint_every),
+            handler)
 
 
 def _vocab_size(model, tokenizer) -> int:
@@ -219,6 +247,12 @@ def run(parser, args, blas_library: str | None = None) -> int:
         cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
                                     if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
+    rewind = _CONFIG.qfilters_max_rewind if cache_args.method != "full" else 0
+    every = rewind if cache_args.checkpoint_every is None else cache_args.checkpoint_every
+    if every - 1 > rewind and cache_args.method != "full":
+        print(f"qfilters-mlx server: --checkpoint-every {every} is more than the rewind depth "
+              f"({rewind}) + 1: a prompt whose shared prefix ends more than {rewind} tokens before "
+              f"the next checkpoint reuses only the checkpoint below it", file=sys.stderr)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
                  "--num-draft-tokens", str(cache_args.num_draft_tokens)]
@@ -234,9 +268,11 @@ def run(parser, args, blas_library: str | None = None) -> int:
         served = _served(cache_args, model_path)
     else:
         rest.append("--help")
-    server, provider, prompt_cache, generator, handler = _classes(served, cache_args.max_body_bytes)
+    server, provider, prompt_cache, generator, handler = _classes(
+        served, cache_args.max_body_bytes, every, cache_args.prompt_checkpoints)
     print(f"qfilters-mlx server: KV cache {described} max_rewind={_CONFIG.qfilters_max_rewind} "
-          f"backend={_CONFIG.qfilters_backend}"
+          f"backend={_CONFIG.qfilters_backend} checkpoint_every={every} "
+          f"prompt_checkpoints={cache_args.prompt_checkpoints}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
     http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider, prompt_cache
