@@ -140,3 +140,16 @@ def test_conversations_and_checkpoints_are_bounded_oldest_first_and_bytes_are_th
         present = any(t == toks for _, t, _ in kept)
         cache, rest = store.fetch_nearest_cache("m", toks + [0])
         assert (len(rest) == 1) == present, (kind, len(toks))
+
+
+def test_checkpoints_are_spaced_by_the_rewind_depth_unless_given(capsys):
+    """Default spacing = ``qfilters_max_rewind`` (every prefix within one rewind of a checkpoint);
+    none for full caches; a spacing over depth + 1 is said on stderr."""
+    from qfilters_mlx.commands.server import checkpoint_every
+
+    assert checkpoint_every(None, config(qfilters_max_rewind=64)) == 64
+    assert checkpoint_every(None, config(qfilters_max_rewind=0)) == 0
+    assert checkpoint_every(None, config(method="full")) == 0
+    assert checkpoint_every(17, config(qfilters_max_rewind=16)) == 17 and not capsys.readouterr().err
+    assert checkpoint_every(32, config(qfilters_max_rewind=16)) == 32
+    assert "reuses only the checkpoint below it" in capsys.readouterr().err

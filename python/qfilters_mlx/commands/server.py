@@ -44,7 +44,8 @@ import logging
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "run"]
+__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser",
+           "checkpoint_every", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
 
@@ -110,6 +111,22 @@ def cache_parser() -> argparse.ArgumentParser:
                         f"dropped first; each holds at most the budget plus 2 x --checkpoint-every "
                         f"rows per layer; --prompt-cache-bytes counts them with the conversations)")
     return p
+
+
+def checkpoint_every(given: int | None, config) -> int:
+    """Tokens between prompt checkpoints: ``given`` (``--checkpoint-every``), else the caches'
+    rewind depth ``config.qfilters_max_rewind`` (every shared prefix is then within one rewind
+    of a checkpoint), 0 for ``method="full"`` (a full cache rewinds anywhere). A spacing over
+    the depth + 1 is said on stderr (prefixes between checkpoints then reuse less)."""
+    if config.method == "full":
+        return 0 if given is None else given
+    rewind = config.qfilters_max_rewind
+    every = rewind if given is None else given
+    if every - 1 > rewind:
+        print(f"qfilters-mlx server: --checkpoint-every {every} is more than the rewind depth "
+              f"({rewind}) + 1: a prompt whose shared prefix ends more than {rewind} tokens before "
+              f"the next checkpoint reuses only the checkpoint below it", file=sys.stderr)
+    return every
 
 
 def _count(text: str) -> int:
@@ -247,12 +264,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
         cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
                                     if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
-    rewind = _CONFIG.qfilters_max_rewind if cache_args.method != "full" else 0
-    every = rewind if cache_args.checkpoint_every is None else cache_args.checkpoint_every
-    if every - 1 > rewind and cache_args.method != "full":
-        print(f"qfilters-mlx server: --checkpoint-every {every} is more than the rewind depth "
-              f"({rewind}) + 1: a prompt whose shared prefix ends more than {rewind} tokens before "
-              f"the next checkpoint reuses only the checkpoint below it", file=sys.stderr)
+    every = checkpoint_every(cache_args.checkpoint_every, _CONFIG)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
                  "--num-draft-tokens", str(cache_args.num_draft_tokens)]
