@@ -166,7 +166,8 @@ def test_reuse_after_eviction_is_every_shared_prefix_and_the_same_on_two_fresh_s
     tok = AutoTokenizer.from_pretrained(str(model_path))
     runs = []
     for name in ("a", "b"):
-        proc = ServerProcess(_argv(model_path), tmp_path / f"{name}.log", env=_env())
+        # (the first start may calibrate the default filter for this session's home: slow)
+        proc = ServerProcess(_argv(model_path), tmp_path / f"{name}.log", env=_env(), start_timeout=600)
         try:
             runs.append(_conversation(proc.port))
         finally:
