@@ -34,7 +34,8 @@ def _env():
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = ServerProcess(_argv(model_path, "--decode-concurrency", "2"), log, env=_env())
+    proc = ServerProcess(_argv(model_path, "--decode-concurrency", "2"), log, env=_env(),
+                         start_timeout=600)  # (it may calibrate the default filter first)
     yield proc
     proc.stop()
 
