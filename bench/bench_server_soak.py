@@ -4,7 +4,8 @@ reuse after eviction, a soak with client disconnects, and the rewind journal's d
 Both servers run SmolLM2-135M-Instruct (float32) on 127.0.0.1 as subprocesses (OpenBLAS
 preloaded for both). Ours: ``--budget 64 --filters bench/results/smollm2_filters.safetensors``
 (the calibrated query filter, eviction from the first call) with its defaults otherwise
-(``--max-rewind 16``); the anchor: ``mlx_lm.server`` defaults. Phases, each on fresh servers:
+(``--max-rewind 64``, a prompt checkpoint every 64 tokens); the anchor: ``mlx_lm.server``
+defaults. Phases, each on fresh servers:
 
 1. **corpus**: every case of ``tests/helpers/server_corpus.py``, then the good request; per case the
    status, whether the good request still gets the reference answer, and whether the server
@@ -17,11 +18,15 @@ preloaded for both). Ours: ``--budget 64 --filters bench/results/smollm2_filters
    message edited at its tail, (c) a new prompt sharing a long prefix (the same passage, another
    question), (d) one sharing only the passage's first half (diverging ~200 tokens before the
    stored end, deeper than the rewind depth); tokens reused = ``usage.prompt_tokens_details.cached_tokens``. Ours runs on two
-   fresh servers: answers and reuse must be identical.
+   fresh servers: answers and reuse must be identical. Then RSS of both, and ours' stored bytes
+   (``/health``: conversations and checkpoints).
 4. **soak**: ``--soak`` mixed requests (chat, text, streaming), every fifth a stream the client
    drops after the first chunk; errors and RSS before/after.
-5. **decode**: decode tokens/s with the server's caches at ``qfilters_max_rewind`` 0 and 16 (the
-   server's default), in process, alternating pairs (the rewind journal's cost).
+5. **decode**: decode tokens/s with the server's caches at ``qfilters_max_rewind`` 0, 16 and 64
+   (the server's default), in process, alternating (the rewind journal's cost).
+6. **prefill**: prefill time of a 512-token prompt with the server's caches in one call
+   (mlx-lm's chunk) against 64-token calls with a copy of the cache at each end (what the
+   server's checkpoints do), in process, alternating.
 
 Writes ``bench/results/server_soak.json`` and ``.md``. Run:
 ``PYTHONPATH=python python bench/bench_server_soak.py`` (``--help`` for the sizes).
@@ -161,9 +166,16 @@ def reuse(arm, model, log_dir, tag) -> dict:
         half = PASSAGE[: len(PASSAGE) // 2]
         deep = [system, {"role": "user", "content": half + " That is all. Which river is this about?"}]
         out["deep_shared_prefix"] = ask(deep)
+        out["rss_mb"] = server.rss_mb()
+        _, health = get_json(server.port, "/health")
+        if health.get("stored"):
+            out["stored"] = health["stored"]
     finally:
         server.stop()
     return out
+
+
+REUSE_CASES = ("first", "follow_up", "edited_last_message", "shared_prefix", "deep_shared_prefix")
 
 
 def soak(arm, model, log_dir, n) -> dict:
@@ -198,32 +210,78 @@ def soak(arm, model, log_dir, n) -> dict:
             "rss_before_mb": rss0, "rss_after_mb": rss1, "health_body": h}
 
 
+DEPTHS = (0, 16, 64)
+
+
+def _server_config(depth):
+    from qfilters_mlx import KVCacheConfig
+
+    return KVCacheConfig(method="qfilters", qfilters_budget=BUDGET, qfilters_filters=str(FILTERS),
+                         qfilters_backend="auto", qfilters_max_rewind=depth)
+
+
 def decode(tokens, reps, prompt_len=512) -> dict:
     """Decode tokens/s of SmolLM2 through ``mlx_lm.stream_generate`` with the server's caches
-    (budget 64, the calibrated filters file) at ``qfilters_max_rewind`` 0 and 16, alternating in
-    pairs (in process: HTTP and prefill time would hide a per-step difference)."""
-    import dataclasses
-
+    (budget 64, the calibrated filters file) at each ``qfilters_max_rewind`` of :data:`DEPTHS`,
+    alternating within each rep (in process: HTTP and prefill time would hide a per-step
+    difference); ratios against depth 0 are taken within a rep."""
     import mlx_lm
 
-    from qfilters_mlx import KVCacheConfig
     from qfilters_mlx.cache.builder import KVCacheBuilder
 
     model, tok = common.load_model()
     prompt = list(common.prompts(tok, [prompt_len]).values())[0]
-    base = KVCacheConfig(method="qfilters", qfilters_budget=BUDGET, qfilters_filters=str(FILTERS),
-                         qfilters_backend="auto")
-    out = {"max_rewind_0": [], "default": []}
+    out = {f"max_rewind_{d}": [] for d in DEPTHS}
+    held = {}
     for _ in range(reps):
-        for depth, key in ((0, "max_rewind_0"), (16, "default")):
-            caches = KVCacheBuilder.for_model(model, dataclasses.replace(base, qfilters_max_rewind=depth))
+        for d in DEPTHS:
+            caches = KVCacheBuilder.for_model(model, _server_config(d))
             last = None
             for last in mlx_lm.stream_generate(model, tok, prompt, max_tokens=tokens, prompt_cache=caches):
                 pass
-            out[key].append(last.generation_tps)
-    out["ratio_default_vs_0"] = [a / b for a, b in zip(out["default"], out["max_rewind_0"])]
-    out["prompt_tokens"], out["generated"] = prompt_len, tokens
+            out[f"max_rewind_{d}"].append(last.generation_tps)
+            held[d] = sum(c.nbytes for c in caches)
+    for d in DEPTHS[1:]:
+        out[f"ratio_{d}_vs_0"] = [a / b for a, b in zip(out[f"max_rewind_{d}"], out["max_rewind_0"])]
+    out["cache_bytes_after"] = {str(d): held[d] for d in DEPTHS}
+    out["prompt_tokens"], out["generated"], out["depths"] = prompt_len, tokens, list(DEPTHS)
     return out
+
+
+def prefill(reps, prompt_len=512, every=64) -> dict:
+    """Prefill seconds of a ``prompt_len``-token prompt with the server's caches (depth 64):
+    one call, against ``every``-token calls with a ``copy.deepcopy`` of the caches at each end
+    (the server's checkpoints); alternating, ratios within a rep; and the bytes the copies hold."""
+    import copy
+    import time
+
+    import mlx.core as mx
+
+    from qfilters_mlx.cache.builder import KVCacheBuilder
+
+    model, tok = common.load_model()
+    prompt = list(common.prompts(tok, [prompt_len]).values())[0]
+    out = {"one_call_s": [], "checkpoints_s": []}
+    for _ in range(reps):
+        for key, step in (("one_call_s", prompt_len), ("checkpoints_s", every)):
+            caches = KVCacheBuilder.for_model(model, _server_config(64))
+            copies = []
+            t = time.perf_counter()
+            for s in range(0, prompt_len, step):
+                mx.eval(model(prompt[None, s:s + step], cache=caches))
+                if step < prompt_len:
+                    copies.append(copy.deepcopy(caches))
+            out[key].append(time.perf_counter() - t)
+        out["checkpoint_bytes"] = [sum(c.nbytes for c in cp) for cp in copies]
+    out["ratio"] = [a / b for a, b in zip(out["checkpoints_s"], out["one_call_s"])]
+    out["prompt_tokens"], out["every"] = prompt_len, every
+    return out
+
+
+def _spread(xs) -> str:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return (f"median {statistics.median(xs):.2f} (quartiles {q[0]:.2f}-{q[2]:.2f}, range "
+            f"{min(xs):.2f}-{max(xs):.2f}, n = {len(xs)})")
 
 
 # ------------------------------------------------------------------ report
@@ -231,8 +289,9 @@ def markdown(res) -> str:
     L = [f"# qfilters-mlx server vs mlx_lm.server: bad inputs, memory, reuse, soak "
          f"(SmolLM2-135M float32, budget {BUDGET})", "",
          f"Machine: {res['meta']['machine']}, load average at start {res['meta']['loadavg_start'][0]:.1f}. "
-         f"Ours: `--budget {BUDGET} --filters bench/results/smollm2_filters.safetensors` (max_rewind 16 "
-         "by default); the anchor: `mlx_lm.server` defaults.", ""]
+         f"Ours: `--budget {BUDGET} --filters bench/results/smollm2_filters.safetensors` (defaults "
+         "otherwise: `--max-rewind 64`, a checkpoint every 64 prompt tokens, at most 64 checkpoints); "
+         "the anchor: `mlx_lm.server` defaults.", ""]
     if "corpus" in res:
         L += ["## Bad-input corpus (`tests/helpers/server_corpus.py`)", ""]
         L += common.md_table(["server", "cases", "status as expected (ours)", "next good request correct",
@@ -265,10 +324,17 @@ def markdown(res) -> str:
     if "reuse" in res:
         L += ["", "## Reuse after eviction (tokens reused = `cached_tokens`)", ""]
         rows = []
-        for kind in ("first", "follow_up", "edited_last_message", "shared_prefix", "deep_shared_prefix"):
+        for kind in REUSE_CASES:
             rows.append([kind] + [f"{r[kind]['reused']} / {r[kind]['prompt_tokens']}"
                                   for r in res["reuse"].values()])
+        rows.append(["RSS MB after"] + [f"{r['rss_mb']:.0f}" if "rss_mb" in r else "-"
+                                        for r in res["reuse"].values()])
         L += common.md_table(["request", *res["reuse"]], rows, "l" + "r" * len(res["reuse"]))
+        st = res["reuse"]["qfilters"].get("stored")
+        if st:
+            L += ["", f"Ours holds {st['bytes'] / 1e6:.1f} MB after these requests (`/health`, the caches' "
+                  f"`nbytes`): {st['conversations']} conversations, {st['checkpoints']} checkpoints "
+                  f"({st['checkpoint_bytes'] / 1e6:.1f} MB of it), {st['rows_per_layer']} rows per layer."]
         L += ["", f"Two fresh qfilters servers gave identical answers and reuse: {res['reuse_deterministic']}."]
     if "soak" in res:
         L += ["", "## Soak with client disconnects", ""]
@@ -278,12 +344,23 @@ def markdown(res) -> str:
                               for a, s in res["soak"].items()], "lrrrrr")
     if "decode" in res:
         d = res["decode"]
-        L += ["", "## Rewind journal cost (ours, decode tokens/s in process, paired)", "",
-              f"{d['prompt_tokens']}-token prompt, {d['generated']} generated, budget {BUDGET}: "
-              f"--max-rewind 0: {', '.join(f'{t:.1f}' for t in d['max_rewind_0'])} tok/s; 16 (the "
-              f"server's default): {', '.join(f'{t:.1f}' for t in d['default'])} tok/s; ratios "
-              f"{', '.join(f'{r:.2f}' for r in d['ratio_default_vs_0'])} (median "
-              f"{statistics.median(d['ratio_default_vs_0']):.2f})."]
+        L += ["", "## Rewind journal cost (ours, decode tokens/s in process, alternating)", "",
+              f"{d['prompt_tokens']}-token prompt, {d['generated']} generated, budget {BUDGET}, "
+              f"the depths alternating within each rep:", ""]
+        rows = [[str(k), ", ".join(f"{t:.1f}" for t in d[f"max_rewind_{k}"]),
+                 _spread(d[f"ratio_{k}_vs_0"]) if k else "-", f"{d['cache_bytes_after'][str(k)] / 1e6:.2f}"]
+                for k in d["depths"]]
+        L += common.md_table(["--max-rewind", "decode tok/s", "ratio to 0 (paired)", "cache MB after"],
+                             rows, "rlll")
+    if "prefill" in res:
+        p = res["prefill"]
+        cb = p["checkpoint_bytes"]
+        L += ["", "## Checkpoint cost (ours, prefill in process, alternating)", "",
+              f"{p['prompt_tokens']}-token prompt: one call {', '.join(f'{t:.1f}' for t in p['one_call_s'])} s; "
+              f"{p['every']}-token calls with a copy at each end "
+              f"{', '.join(f'{t:.1f}' for t in p['checkpoints_s'])} s; ratio {_spread(p['ratio'])}. "
+              f"Each copy holds {min(cb) / 1e6:.2f}-{max(cb) / 1e6:.2f} MB ({len(cb)} copies, "
+              f"{sum(cb) / 1e6:.1f} MB in all)."]
     L += ["", "Runs: " + "; ".join(f"{phase}: `{r['command']}` (load {r['loadavg_start'][0]:.1f})"
                                    for phase, r in res.get("runs", {}).items()) + ".", ""]
     return "\n".join(L)
@@ -291,11 +368,12 @@ def markdown(res) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phases", default="corpus,memory,reuse,soak,decode")
+    ap.add_argument("--phases", default="corpus,memory,reuse,soak,decode,prefill")
     ap.add_argument("--conversations", type=int, default=100)
     ap.add_argument("--soak", type=int, default=40)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--decode-reps", type=int, default=5)
+    ap.add_argument("--decode-reps", type=int, default=10)
+    ap.add_argument("--prefill-reps", type=int, default=6)
     ap.add_argument("--out", default=str(common.RESULTS / "server_soak.json"))
     args = ap.parse_args()
     from qfilters_mlx.assets.prepare_model import prepare_model
@@ -326,13 +404,16 @@ def main() -> None:
         runs = {"qfilters": reuse("qfilters", model, log_dir, "a"), "mlx_lm": reuse("mlx_lm", model, log_dir, "a")}
         again = reuse("qfilters", model, log_dir, "b")
         res["reuse"] = runs
-        res["reuse_deterministic"] = again == runs["qfilters"]
+        res["reuse_deterministic"] = all(again[k] == runs["qfilters"][k] for k in REUSE_CASES)
         save()
     if "soak" in phases:
         res["soak"] = {a: soak(a, model, log_dir, args.soak) for a in arms}
         save()
     if "decode" in phases:
         res["decode"] = decode(args.decode_tokens, args.decode_reps)
+        save()
+    if "prefill" in phases:
+        res["prefill"] = prefill(args.prefill_reps)
         save()
     print(markdown(res))
 

@@ -240,7 +240,7 @@ def test_trim_before_and_after_eviction():
     ref.update_and_fetch(k[:, :, :17], v[:, :, :17])
     np.testing.assert_array_equal(kept(c), kept(ref))
 
-    c = make(budget=64, calib=4)
+    c = make(budget=64, calib=4, qfilters_max_rewind=0)
     c.update_and_fetch(k[:, :, :20], v[:, :, :20])
     assert not c.is_trimmable()  # qfilters_max_rewind=0: mlx-lm never trims it (see test_no_silent_rewind)
     assert c.trim(-5) == 0 and c.offset == 20

@@ -3,7 +3,8 @@
 the server then answers the good request exactly as before it, the generation loop never
 restarts and nothing is logged as a traceback; a ``--filters`` file that is not a filters file
 stops the start; CORS allows no origin by default; a completion logs one "request done" line;
-stored short conversations hold ``budget + 1`` rows per layer each (``/health``).
+stored short conversations hold ``budget + 1`` rows per layer each (``/health``); after an
+eviction every prefix shared with an earlier prompt is reused, the same on two fresh servers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _env():
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = ServerProcess(_argv(model_path, "--decode-concurrency", "2"), log, env=_env())
+    proc = ServerProcess(_argv(model_path, "--decode-concurrency", "2"), log, env=_env(),
+                         start_timeout=600)  # (it may calibrate the default filter first)
     yield proc
     proc.stop()
 
@@ -119,23 +121,65 @@ def test_a_filters_file_that_is_not_one_stops_the_start(model_path, tmp_path):
                       tmp_path / "bad.log", env=_env(), start_timeout=120)
 
 
-def test_after_an_eviction_an_edited_tail_reuses_the_stored_prompt_up_to_the_edit(server, model_path):
-    """A conversation longer than the budget (evicted), then the same one with its last words
-    edited: the stored prompt is rewound to the shared prefix (within --max-rewind 16), so the
-    tokens reused are mlx-lm's own rule, ``min(len(prompt) - 1, common prefix)``, computed here
-    from the chat template's tokens; a prompt diverging deeper falls back to a stored prefix."""
+def _template_ids(tok, messages):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return ids if isinstance(ids, list) else ids["input_ids"]
+
+
+def _shared(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _conversation(port):
+    """A conversation longer than the budget, then a follow-up turn, its last message edited,
+    another question on the same passage, and a prompt sharing only the passage's first half
+    (diverging ~150 tokens before the stored prompt's end, far deeper than the rewind depth
+    alone reaches). Returns ``[(messages, answer, cached_tokens)]``."""
+    passage = " ".join(f"Entry {i}: the river was {30 + i} cm high and the weather was "
+                       f"{['calm', 'windy', 'rainy'][i % 3]}." for i in range(24))
+    system = {"role": "system", "content": "Answer briefly."}
+    first = [system, {"role": "user", "content": passage + " Which entry had the highest river?"}]
+    out = []
+
+    def ask(messages):
+        status, reply = post_json(port, CHAT, {"messages": messages, "max_tokens": 6, "temperature": 0})
+        assert status == 200, reply
+        out.append((messages, answer(reply), reply["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        return out[-1][1]
+
+    said = ask(first)
+    ask(first + [{"role": "assistant", "content": said}, {"role": "user", "content": "And the lowest?"}])
+    ask([system, {"role": "user", "content": passage + " Which entry had the lowest river?"}])
+    ask([system, {"role": "user", "content": passage + " Which entries were windy?"}])
+    half = passage[: len(passage) // 2]
+    ask([system, {"role": "user", "content": half + " That is all. What was measured?"}])
+    return out
+
+
+def test_reuse_after_eviction_is_every_shared_prefix_and_the_same_on_two_fresh_servers(model_path, tmp_path):
+    """Two fresh servers (default flags, budget 64) get the same conversation: the answers and
+    the tokens reused are the same on both, and each request reuses what mlx-lm's prompt cache
+    reuses with full caches: ``min(len(prompt) - 1, c)``, ``c`` the longest prefix shared with
+    an earlier prompt (computed here from the chat template's tokens), and for the follow-up
+    turn at least the whole first prompt (its stored conversation, answer included, is a
+    prefix)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_path))
-    passage = " ".join(f"Entry {i}: the river was {30 + i} cm high and calm." for i in range(25))
-    system = {"role": "system", "content": "Answer briefly."}
-    first = [system, {"role": "user", "content": passage + " Which entry had the highest river?"}]
-    edited = [system, {"role": "user", "content": passage + " Which entry had the lowest river?"}]
-    status, reply = post_json(server.port, CHAT, {"messages": first, "max_tokens": 4})
-    assert status == 200 and reply["usage"]["prompt_tokens"] > 2 * BUDGET
-    status, reply = post_json(server.port, CHAT, {"messages": edited, "max_tokens": 4})
-    a, b = (tok.apply_chat_template(m, add_generation_prompt=True) for m in (first, edited))
-    a, b = (x if isinstance(x, list) else x["input_ids"] for x in (a, b))
-    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    assert len(a) - 1 - common <= 16  # (the edit is within the rewind depth of the stored prompt)
-    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == min(len(b) - 1, common)
+    runs = []
+    for name in ("a", "b"):
+        # (the first start may calibrate the default filter for this session's home: slow)
+        proc = ServerProcess(_argv(model_path), tmp_path / f"{name}.log", env=_env(), start_timeout=600)
+        try:
+            runs.append(_conversation(proc.port))
+        finally:
+            proc.stop()
+    assert [(a, r) for _, a, r in runs[0]] == [(a, r) for _, a, r in runs[1]]
+    ids = [_template_ids(tok, m) for m, _, _ in runs[0]]
+    assert len(ids[0]) > 4 * BUDGET and runs[0][0][2] == 0
+    follow = runs[0][1][2]
+    assert ids[1][: len(ids[0])] == ids[0] and len(ids[0]) <= follow <= len(ids[1]) - 1
+    for k in (2, 3, 4):
+        c = max(_shared(ids[k], ids[j]) for j in range(k))
+        assert runs[0][k][2] == min(len(ids[k]) - 1, c), (k, runs[0][k][2], c, len(ids[k]))
+    assert len(ids[0]) - _shared(ids[4], ids[0]) > 2 * BUDGET  # (the deep case is deep)

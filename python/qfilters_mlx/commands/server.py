@@ -15,8 +15,9 @@ mlx-lm's ``main``:
   batching (``is_batchable``);
 * ``StoredConversations`` (mlx-lm's ``LRUPromptCache``,
   :mod:`.server_cache`): reuses stored conversations without asking a cache for
-  a rewind it cannot do, and logs each finished request's tokens, bytes, and the
-  bytes all stored conversations hold;
+  a rewind it cannot do, keeps a checkpoint of each prompt every
+  ``--checkpoint-every`` tokens (at most ``--prompt-checkpoints``), and logs each
+  finished request's tokens, bytes, and the bytes all stored caches hold;
 * the request checks and the restarting generation loop of :mod:`.server_http`
   and :mod:`.server_requests`: every body is checked before generation (400 naming
   the field); requests naming another ``model``, ``draft_model`` or ``adapters``
@@ -25,7 +26,9 @@ mlx-lm's ``main``:
 
 The caches rewind :data:`DEFAULT_MAX_REWIND` tokens exactly unless ``--max-rewind``
 says otherwise (``--num-draft-tokens`` at least, with a draft model; 0 with
-``--kv-bits``, whose caches cannot rewind).
+``--kv-bits``, whose caches cannot rewind), and prompts leave a checkpoint every
+``--checkpoint-every`` tokens (default: the rewind depth), so that a new prompt reuses
+every token it shares with a stored one.
 
 The configuration is printed at start, and the log names the filter in use and where it came
 from. The default is the library's: the model's calibrated query filter, found or made once by
@@ -41,19 +44,25 @@ import logging
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "run"]
+__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser",
+           "checkpoint_every", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
 _BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by run; None: defaults)
 
-DEFAULT_MAX_REWIND = 16
+DEFAULT_MAX_REWIND = 64
 """Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
-otherwise: a stored conversation is then reused by a prompt that leaves it up to this many
-tokens before its end (an edited tail, a re-rendered chat-template tail), and a draft model
-may propose up to this many tokens. Cost: bench/results/server_soak.md."""
+otherwise: a stored conversation or checkpoint is then reused by a prompt that leaves it up to
+this many tokens before its end, and a draft model may propose up to this many tokens. With a
+checkpoint every ``--checkpoint-every`` (default: this many) tokens, every prefix of a stored
+prompt is within reach. Cost (decode speed, bytes): bench/results/server_soak.md."""
 
 DEFAULT_PROMPT_CACHE_SIZE = 30
 """Stored conversations kept (mlx-lm's default is 10 for full caches)."""
+
+DEFAULT_PROMPT_CHECKPOINTS = 64
+"""Prompt checkpoints kept (the oldest dropped first): each holds at most the budget plus two
+``--checkpoint-every`` chunks of rows per layer."""
 
 
 def add_parser(sub) -> None:
@@ -90,8 +99,18 @@ def cache_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache-size", type=int, default=None, metavar="N",
                    help=f"stored conversations kept for reuse (mlx-lm's flag; default "
                         f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus one "
-                        f"chunk, and mlx-lm keeps the prompt's checkpoints of a conversation "
-                        f"that can no longer rewind to them)")
+                        f"chunk)")
+    s.add_argument("--checkpoint-every", type=_count, default=None, metavar="TOKENS",
+                   help="store a checkpoint of each prompt's cache every TOKENS prompt tokens, "
+                        "reused by later prompts sharing that much (default: the rewind depth, "
+                        f"--max-rewind, {DEFAULT_MAX_REWIND} here, so every shared prefix is "
+                        "reused exactly; 0: only mlx-lm's checkpoints, at the end of the system "
+                        "prompt and of the prompt)")
+    s.add_argument("--prompt-checkpoints", type=_count, default=DEFAULT_PROMPT_CHECKPOINTS,
+                   metavar="N",
+                   help=f"checkpoints kept (default {DEFAULT_PROMPT_CHECKPOINTS}; the oldest are "
+                        f"dropped first; each holds at most the budget plus 2 x --checkpoint-every "
+                        f"rows per layer; --prompt-cache-bytes counts them with the conversations)")
     return p
 
 
@@ -100,6 +119,31 @@ def _builder():
     from qfilters_mlx.cache.builder import KVCacheBuilder
 
     return _BUILDER if _BUILDER is not None else KVCacheBuilder()
+
+
+def checkpoint_every(given: int | None, config) -> int:
+    """Tokens between prompt checkpoints: ``given`` (``--checkpoint-every``), else the caches'
+    rewind depth ``config.qfilters_max_rewind`` (every shared prefix is then within one rewind
+    of a checkpoint), 0 for ``method="full"`` (a full cache rewinds anywhere). A spacing over
+    the depth + 1 is said on stderr (prefixes between checkpoints then reuse less)."""
+    if config.method == "full":
+        return 0 if given is None else given
+    rewind = _builder().options_for(config).max_rewind
+    rewind = 0 if rewind == "auto" else rewind  # (quantized: no journal; stored caches evicted)
+    every = rewind if given is None else given
+    if every - 1 > rewind:
+        print(f"qfilters-mlx server: --checkpoint-every {every} is more than the rewind depth "
+              f"({rewind}) + 1: a prompt whose shared prefix ends more than {rewind} tokens before "
+              f"the next checkpoint reuses only the checkpoint below it", file=sys.stderr)
+    return every
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
 
 
 def _served(cache_args, model_path):
@@ -122,7 +166,8 @@ def _served(cache_args, model_path):
                   default_draft_tokens=cache_args.num_draft_tokens)
 
 
-def _classes(served=None, max_body_bytes=None):
+def _classes(served=None, max_body_bytes=None, checkpoint_every=0,
+             max_checkpoints=DEFAULT_PROMPT_CHECKPOINTS):
     """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
     import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
@@ -176,9 +221,10 @@ def _classes(served=None, max_body_bytes=None):
                 self.served.vocab_size = _vocab_size(self.model, self.tokenizer)
                 self.served.takes_images = self.processor is not None
 
-    prompt_cache = prompt_cache_class(cache_module)
+    prompt_cache = prompt_cache_class(cache_module, max_checkpoints)
     handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES)
-    return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
+    return (server, QFiltersModelProvider, prompt_cache, generator_class(server, checkpoint_every),
+            handler)
 
 
 def _vocab_size(model, tokenizer) -> int:
@@ -229,6 +275,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
                                     if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
     _BUILDER = builder_from_args(ours, cache_args)
+    every = checkpoint_every(cache_args.checkpoint_every, _CONFIG)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
                  "--num-draft-tokens", str(cache_args.num_draft_tokens)]
@@ -244,9 +291,12 @@ def run(parser, args, blas_library: str | None = None) -> int:
         served = _served(cache_args, model_path)
     else:
         rest.append("--help")
-    server, provider, prompt_cache, generator, handler = _classes(served, cache_args.max_body_bytes)
-    print(f"qfilters-mlx server: KV cache {described} max_rewind={_builder().options_for(_CONFIG).max_rewind} "
-          f"backend={_builder().options_for(_CONFIG).backend}"
+    server, provider, prompt_cache, generator, handler = _classes(
+        served, cache_args.max_body_bytes, every, cache_args.prompt_checkpoints)
+    options = _builder().options_for(_CONFIG)
+    print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind} "
+          f"backend={options.backend} checkpoint_every={every} "
+          f"prompt_checkpoints={cache_args.prompt_checkpoints}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
     http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider, prompt_cache

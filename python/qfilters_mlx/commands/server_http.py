@@ -12,7 +12,9 @@ survive their users (subclasses of ``mlx_lm.server.APIHandler`` and ``ResponseGe
   the server answers (a load error, e.g. a bad ``--filters`` file, stops the start);
   the generation loop restarts after an exception that escaped mlx-lm's handling
   (in-flight requests get a 500), instead of dying and leaving every later request a
-  "generation thread died".
+  "generation thread died"; a prompt is cut into segments every ``checkpoint_every``
+  tokens (:func:`~.server_cache.checkpoint_segments`: mlx-lm stores a checkpoint at
+  the end of each).
 
 Imported lazily (it imports ``mlx_lm.server``, which imports MLX).
 """
@@ -27,6 +29,7 @@ import time
 import weakref
 from collections import deque
 
+from qfilters_mlx.commands.server_cache import checkpoint_segments
 from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES, RequestError, check_body, parse_body
 
 __all__ = ["GenerationFailed", "error_status", "generator_class", "handler_class"]
@@ -71,8 +74,10 @@ class _Reply:
         self._queue.put(item)
 
 
-def generator_class(server):
-    """``mlx_lm.server.ResponseGenerator`` whose loop restarts after an uncaught exception."""
+def generator_class(server, checkpoint_every: int = 0):
+    """``mlx_lm.server.ResponseGenerator`` whose loop restarts after an uncaught exception and
+    that cuts prompts for a checkpoint every ``checkpoint_every`` tokens (0: mlx-lm's
+    segments only)."""
 
     class RestartingResponseGenerator(server.ResponseGenerator):
         """mlx-lm's generator; its loop never dies from one request (see the module docstring).
@@ -91,6 +96,12 @@ def generator_class(server):
             if self._load_error is not None:  # the served model or its --filters: no server
                 self.join()
                 raise self._load_error
+
+        def _tokenize(self, tokenizer, request, args):
+            prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            if vision is None:  # (requests with images are served whole, without segments)
+                segments, types = checkpoint_segments(segments, types, checkpoint_every)
+            return prompt, segments, types, state, vision
 
         def _next_request(self, timeout=None):
             request = super()._next_request(timeout)
