@@ -282,7 +282,7 @@ def test_config_errors_name_the_field():
     (dict(ratio=-0.25), r"ratio .* must be in \[0, 1\)"),
     (dict(budget=0), r"budget must be an int >= 1"),
     (dict(ratio=0.5, budget=3), r"a compression ratio or a budget, not both"),
-])
+], ids=["ratio_above_1", "ratio_below_0", "budget_0", "ratio_and_budget"])
 def test_compress_refuses_a_bad_target_before_changing_anything(target, message):
     """``cache.compress`` itself (not only ``compress_caches``) checks its ratio/budget: a
     ratio outside ``[0, 1)`` would keep ``max(1, int(T * (1 - ratio)))`` rows, budget 0 none."""
