@@ -365,6 +365,9 @@ def test_bad_updates_raise_before_state_changes():
         (k[:, :, :2], v[:, :, :2].astype(mx.float16), TypeError, r"keys and values must share a dtype"),
         (k[:, :, :0], v[:, :, :0], ValueError, r"keys must hold at least one token \(L >= 1\)"),
         (np.array(k[:, :, :2]), v[:, :, :2], TypeError, r"keys must be an mx.array, got ndarray"),
+        (k[:, :, :2], np.array(v[:, :, :2]), TypeError, r"^values must be an mx.array, got ndarray"),
+        (k[:, :, :2], v[0, :, :2], ValueError, r"^values must be \[B, H_kv, L, D\], got shape \(2, 2, 16\)"),
+        (k[:, :, :2], v[:, :, :2].astype(mx.int32), TypeError, r"^values must be a floating dtype"),
     ]
     for bk, bv, exc, msg in bad:
         with pytest.raises(exc, match=msg):

@@ -330,3 +330,16 @@ def test_a_compression_that_keeps_every_row_evicts_nothing():
         keys, values = c.update_and_fetch(mx.array(k[:, :, T - 3:T - 2]), mx.array(v[:, :, T - 3:T - 2]))
         np.testing.assert_array_equal(np.array(keys), k[:, :, :T - 2])
         np.testing.assert_array_equal(np.array(values), v[:, :, :T - 2])
+
+
+
+def test_a_two_token_prompt_is_a_chunk_for_the_prompt_end_trigger():
+    """Any call of more than one token is prompt (``prompt_end``): a 2-token prompt is
+    compressed at the first single-token call, kvpress's rule on its 2 tokens."""
+    k, v, f = _data(3, seed=10)
+    c = _cache("qfilters", f, qfilters_compress_at="prompt_end", qfilters_compression_ratio=0.5)
+    c.update_and_fetch(mx.array(k[:, :, :2]), mx.array(v[:, :, :2]))
+    c.update_and_fetch(mx.array(k[:, :, 2:3]), mx.array(v[:, :, 2:3]))
+    want = _kvpress_keep(k[:, :, :2], lambda x, h: x @ f[h].astype(np.float64), 0.5)
+    assert c._compressed == (1, 2)
+    assert c.kept_positions().tolist() == [[row + [2] for row in rows] for rows in want]

@@ -268,6 +268,9 @@ def test_runtime_errors_are_clear_and_change_nothing():
     with pytest.raises(ValueError, match="keys head_dim 48 is not a multiple of kv_group_size 64"):
         c.update_and_fetch(mx.zeros((1, 2, 3, 48)), mx.zeros((1, 2, 3, 48)))
     assert c.empty() and c.offset == 0
+    with pytest.raises(ValueError, match="values head_dim 40 is not a multiple of kv_group_size 64"):
+        c.update_and_fetch(mx.zeros((1, 2, 3, D)), mx.zeros((1, 2, 3, 40)))
+    assert c.empty() and c.offset == 0
     k, v = rand_kv(8, 10)
     c.update_and_fetch(k, v)
     with pytest.raises(ValueError, match="cannot requantize to 8, 64"):
