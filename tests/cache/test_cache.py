@@ -358,7 +358,8 @@ def test_bad_updates_raise_before_state_changes():
     bad = [
         (k[0], v[0], ValueError, r"keys must be \[B, H_kv, L, D\], got shape \(2, 20, 16\)"),
         (k[:, :, :2], v[:, :, :3], ValueError, r"keys and values must agree on \[B, H_kv, L\]"),
-        (k[:, :1, :2], v[:, :1, :2], ValueError, r"filters shape \(2, 16\) does not match keys"),
+        (k[:, :1, :2], v[:, :1, :2], ValueError,
+         r"filters shape \(2, 16\) does not match keys \[H_kv, D\] = \(1, 16\)$"),
         (k[..., :8][:, :, :2], v[..., :8][:, :, :2], ValueError, r"filters shape \(2, 16\) does not match keys"),
         (k[:, :, :2].astype(mx.float16), v[:, :, :2].astype(mx.float16), TypeError,
          r"keys dtype (mlx\.core\.)?float16 does not match the cache \((mlx\.core\.)?float32\)"),
@@ -454,6 +455,18 @@ def observed_query_cache(seed, T, Tq, **kw):
     c = QFiltersKVCache(cfg)
     c.queries_observed = True  # as inside observe_queries
     return c, k, q
+
+
+def test_a_query_calibrated_cache_outside_observe_queries_says_how_to_run_it():
+    """Fed without ``observe_queries`` (``queries_observed`` unset), a cache estimating its
+    filter from queries refuses the update, naming the options and the context manager."""
+    c, k, _ = observed_query_cache(0, 8, 8, qfilters_calib_tokens=4)
+    c.queries_observed = False
+    with pytest.raises(ValueError, match=r"^this cache estimates its filter from queries \(qfilters_sign='auto' "
+                                         r"or qfilters_filter_source='queries'\): run the model inside "
+                                         r"`with qfilters_mlx.observe_queries\(model, caches\):`$"):
+        c.update_and_fetch(k[:, :, :2], k[:, :, :2])
+    assert c.empty() and c.offset == 0
 
 
 def feed_cache(cache, k, v, chunks, start=0):
