@@ -786,3 +786,29 @@ def test_full_cache_never_evicts_its_window_mask_is_mlx_lms_and_an_evicted_state
     after = observable(c)
     assert before[1:] == after[1:] and all(np.array_equal(x, y) for x, y in zip(before[0], after[0])
                                            if x is not None)
+
+
+def test_per_head_recent_windows_equal_one_cache_per_head_and_must_match_the_heads():
+    """``qfilters_recent=[r_0, r_1]``: head ``h`` keeps what a cache with the one window
+    ``r_h`` keeps fed that head alone; a window count other than ``H_kv`` is refused
+    before anything is stored (naming both counts)."""
+    k, v = rand_kv(21, H=2, T=40)
+    chunks = [7, 13, 1, 1, 3, 1, 14]
+    c = make("l2norm", budget=12, n_sink=2, recent=[3, 5])
+    feed(c, k, v, chunks)
+    for h, r in enumerate((3, 5)):
+        alone = make("l2norm", budget=12, n_sink=2, recent=r)
+        feed(alone, k[:, h:h + 1], v[:, h:h + 1], chunks)
+        assert c.kept_positions()[:, h:h + 1].tolist() == alone.kept_positions().tolist()
+    wrong = make("l2norm", budget=12, n_sink=2, recent=[3, 5, 4])
+    with pytest.raises(ValueError, match=r"qfilters_recent has 3 per-head windows, the keys have H_kv = 2 heads"):
+        wrong.update_and_fetch(k[:, :, :3], v[:, :, :3])
+    assert wrong.empty() and wrong.offset == 0
+
+
+def test_keys_of_another_head_dim_than_the_config_are_refused():
+    c = make("l2norm", head_dim=16)
+    k, v = rand_kv(22, D=8, T=4)
+    with pytest.raises(ValueError, match=r"^keys head_dim 8 does not match config.head_dim 16$"):
+        c.update_and_fetch(k, v)
+    assert c.empty() and c.offset == 0
