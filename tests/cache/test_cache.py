@@ -812,3 +812,25 @@ def test_keys_of_another_head_dim_than_the_config_are_refused():
     with pytest.raises(ValueError, match=r"^keys head_dim 8 does not match config.head_dim 16$"):
         c.update_and_fetch(k, v)
     assert c.empty() and c.offset == 0
+
+
+@pytest.mark.parametrize("max_rewind", [0, 4])
+def test_keys_and_values_refuses_after_a_trim(max_rewind):
+    """``keys_and_values`` returns the last update's output (stored ++ new rows) until a trim
+    removes tokens (before an eviction: a plain trim; after one: a journal rewind)."""
+    k, v = rand_kv(23, T=30)
+    c = QFiltersKVCache(make("l2norm", budget=16).config, max_rewind=max_rewind)
+    c.keep_last_kv = True
+    feed(c, k[:, :, :10], v[:, :, :10], [6, 4])
+    keys, values = c.keys_and_values()
+    np.testing.assert_array_equal(np.array(keys), np.array(k[:, :, :10]))
+    np.testing.assert_array_equal(np.array(values), np.array(v[:, :, :10]))
+    assert c.trim(2) == 2
+    with pytest.raises(ValueError, match="before any update_and_fetch since the cache was built, loaded or trimmed"):
+        c.keys_and_values()
+    if max_rewind:
+        feed(c, k[:, :, 8:28], v[:, :, 8:28], [20])  # evicts
+        c.keys_and_values()
+        assert c.evicted and c.trim(3) == 3
+        with pytest.raises(ValueError, match="since the cache was built, loaded or trimmed"):
+            c.keys_and_values()

@@ -343,3 +343,32 @@ def test_a_two_token_prompt_is_a_chunk_for_the_prompt_end_trigger():
     want = _kvpress_keep(k[:, :, :2], lambda x, h: x @ f[h].astype(np.float64), 0.5)
     assert c._compressed == (1, 2)
     assert c.kept_positions().tolist() == [[row + [2] for row in rows] for rows in want]
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_trim_of_tokens_appended_after_the_compression_is_exact(n):
+    """Without a journal, ``trim(n)`` removes ``n`` of the tokens appended since the
+    compression (here 1 and all 4 of them): the cache equals one fed ``n`` tokens fewer, and
+    ``keys_and_values`` then refuses (nothing returned since the trim); ``trim(0)`` changes
+    nothing, not even what ``keys_and_values`` returns."""
+    T, grown = 40, 4
+    k, v, f = _data(T + grown, seed=11)
+
+    def compressed_then_fed(m):
+        c = _cache("qfilters", f)
+        c.keep_last_kv = True
+        _feed(c, k[:, :, :T], v[:, :, :T], 20)
+        c.compress(ratio=0.5)
+        for i in range(T, T + m):
+            c.update_and_fetch(mx.array(k[:, :, i:i + 1]), mx.array(v[:, :, i:i + 1]))
+        return c
+
+    c, ref = compressed_then_fed(grown), compressed_then_fed(grown - n)
+    last = c.keys_and_values()
+    assert c.trim(0) == 0 and c.keys_and_values() is last
+    assert c.trim(n) == n
+    assert c.offset == ref.offset == T + grown - n and c.size() == ref.size()
+    for a, b in zip(c.state[:4], ref.state[:4]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    with pytest.raises(ValueError, match="before any update_and_fetch since the cache was built, loaded or trimmed"):
+        c.keys_and_values()
