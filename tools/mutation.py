@@ -62,11 +62,14 @@ MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py",
 # Tests run against the survivors of mutmut's run (``--recheck``): the files holding the
 # tests written for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py",
-                 "tests/cache/test_slot_mode.py", "tests/cache/test_rewind.py"]
+                 "tests/cache/test_slot_mode.py", "tests/cache/test_rewind.py",
+                 "tests/cache/test_compression.py", "tests/cache/test_quantized.py"]
 TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py", "tests/backends/test_decode_step.py",
          "tests/cache/test_cache_oracle.py", "tests/cache/test_properties.py", "tests/cache/test_cache_round_trip.py",
          "tests/cache/test_rewind.py", "tests/backends/test_perhead_recent.py",
          "tests/filters/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
+         "tests/cache/test_cache_construction.py", "tests/cache/test_no_silent_rewind.py",
+         "tests/cache/test_copies.py",
          *RECHECK_TESTS]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.

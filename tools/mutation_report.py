@@ -30,7 +30,10 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests"
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it
     "/tmp/qfilters-mutation": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                              "--modules backends/reference.py cache/kv_cache.py cache/calibration.py",
+                              "--modules cache/kv_cache.py cache/calibration.py [--resume --only "
+                              "'qfilters_mlx.cache.kv_cache.xǁQFiltersKVCacheǁ<function>__mutmut_*' ...: "
+                              "update_and_fetch _validate _before_call _append _decode_step _evict _calibrate; then "
+                              "trim trim_count _undo_call _undo_layout]",
     "/tmp/qfilters-mutation-components": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
                                          "--workdir /tmp/qfilters-mutation-components "
                                          "--modules cache/persistence.py cache/journal.py",

@@ -358,13 +358,17 @@ def test_bad_updates_raise_before_state_changes():
     bad = [
         (k[0], v[0], ValueError, r"keys must be \[B, H_kv, L, D\], got shape \(2, 20, 16\)"),
         (k[:, :, :2], v[:, :, :3], ValueError, r"keys and values must agree on \[B, H_kv, L\]"),
-        (k[:, :1, :2], v[:, :1, :2], ValueError, r"filters shape \(2, 16\) does not match keys"),
+        (k[:, :1, :2], v[:, :1, :2], ValueError,
+         r"filters shape \(2, 16\) does not match keys \[H_kv, D\] = \(1, 16\)$"),
         (k[..., :8][:, :, :2], v[..., :8][:, :, :2], ValueError, r"filters shape \(2, 16\) does not match keys"),
         (k[:, :, :2].astype(mx.float16), v[:, :, :2].astype(mx.float16), TypeError,
          r"keys dtype (mlx\.core\.)?float16 does not match the cache \((mlx\.core\.)?float32\)"),
         (k[:, :, :2], v[:, :, :2].astype(mx.float16), TypeError, r"keys and values must share a dtype"),
         (k[:, :, :0], v[:, :, :0], ValueError, r"keys must hold at least one token \(L >= 1\)"),
         (np.array(k[:, :, :2]), v[:, :, :2], TypeError, r"keys must be an mx.array, got ndarray"),
+        (k[:, :, :2], np.array(v[:, :, :2]), TypeError, r"^values must be an mx.array, got ndarray"),
+        (k[:, :, :2], v[0, :, :2], ValueError, r"^values must be \[B, H_kv, L, D\], got shape \(2, 2, 16\)"),
+        (k[:, :, :2], v[:, :, :2].astype(mx.int32), TypeError, r"^values must be a floating dtype"),
     ]
     for bk, bv, exc, msg in bad:
         with pytest.raises(exc, match=msg):
@@ -451,6 +455,18 @@ def observed_query_cache(seed, T, Tq, **kw):
     c = QFiltersKVCache(cfg)
     c.queries_observed = True  # as inside observe_queries
     return c, k, q
+
+
+def test_a_query_calibrated_cache_outside_observe_queries_says_how_to_run_it():
+    """Fed without ``observe_queries`` (``queries_observed`` unset), a cache estimating its
+    filter from queries refuses the update, naming the options and the context manager."""
+    c, k, _ = observed_query_cache(0, 8, 8, qfilters_calib_tokens=4)
+    c.queries_observed = False
+    with pytest.raises(ValueError, match=r"^this cache estimates its filter from queries \(qfilters_sign='auto' "
+                                         r"or qfilters_filter_source='queries'\): run the model inside "
+                                         r"`with qfilters_mlx.observe_queries\(model, caches\):`$"):
+        c.update_and_fetch(k[:, :, :2], k[:, :, :2])
+    assert c.empty() and c.offset == 0
 
 
 def feed_cache(cache, k, v, chunks, start=0):
@@ -770,3 +786,51 @@ def test_full_cache_never_evicts_its_window_mask_is_mlx_lms_and_an_evicted_state
     after = observable(c)
     assert before[1:] == after[1:] and all(np.array_equal(x, y) for x, y in zip(before[0], after[0])
                                            if x is not None)
+
+
+def test_per_head_recent_windows_equal_one_cache_per_head_and_must_match_the_heads():
+    """``qfilters_recent=[r_0, r_1]``: head ``h`` keeps what a cache with the one window
+    ``r_h`` keeps fed that head alone; a window count other than ``H_kv`` is refused
+    before anything is stored (naming both counts)."""
+    k, v = rand_kv(21, H=2, T=40)
+    chunks = [7, 13, 1, 1, 3, 1, 14]
+    c = make("l2norm", budget=12, n_sink=2, recent=[3, 5])
+    feed(c, k, v, chunks)
+    for h, r in enumerate((3, 5)):
+        alone = make("l2norm", budget=12, n_sink=2, recent=r)
+        feed(alone, k[:, h:h + 1], v[:, h:h + 1], chunks)
+        assert c.kept_positions()[:, h:h + 1].tolist() == alone.kept_positions().tolist()
+    wrong = make("l2norm", budget=12, n_sink=2, recent=[3, 5, 4])
+    with pytest.raises(ValueError, match=r"qfilters_recent has 3 per-head windows, the keys have H_kv = 2 heads"):
+        wrong.update_and_fetch(k[:, :, :3], v[:, :, :3])
+    assert wrong.empty() and wrong.offset == 0
+
+
+def test_keys_of_another_head_dim_than_the_config_are_refused():
+    c = make("l2norm", head_dim=16)
+    k, v = rand_kv(22, D=8, T=4)
+    with pytest.raises(ValueError, match=r"^keys head_dim 8 does not match config.head_dim 16$"):
+        c.update_and_fetch(k, v)
+    assert c.empty() and c.offset == 0
+
+
+@pytest.mark.parametrize("max_rewind", [0, 4])
+def test_keys_and_values_refuses_after_a_trim(max_rewind):
+    """``keys_and_values`` returns the last update's output (stored ++ new rows) until a trim
+    removes tokens (before an eviction: a plain trim; after one: a journal rewind)."""
+    k, v = rand_kv(23, T=30)
+    c = QFiltersKVCache(make("l2norm", budget=16).config, max_rewind=max_rewind)
+    c.keep_last_kv = True
+    feed(c, k[:, :, :10], v[:, :, :10], [6, 4])
+    keys, values = c.keys_and_values()
+    np.testing.assert_array_equal(np.array(keys), np.array(k[:, :, :10]))
+    np.testing.assert_array_equal(np.array(values), np.array(v[:, :, :10]))
+    assert c.trim(2) == 2
+    with pytest.raises(ValueError, match="before any update_and_fetch since the cache was built, loaded or trimmed"):
+        c.keys_and_values()
+    if max_rewind:
+        feed(c, k[:, :, 8:28], v[:, :, 8:28], [20])  # evicts
+        c.keys_and_values()
+        assert c.evicted and c.trim(3) == 3
+        with pytest.raises(ValueError, match="since the cache was built, loaded or trimmed"):
+            c.keys_and_values()

@@ -275,3 +275,100 @@ def test_config_errors_name_the_field():
         compress_caches([streaming], ratio=0.5)
     with pytest.raises(ValueError, match="no QFiltersKVCache"):
         compress_caches([object()])
+
+
+@pytest.mark.parametrize("target, message", [
+    (dict(ratio=1.5), r"ratio .* must be in \[0, 1\)"),
+    (dict(ratio=-0.25), r"ratio .* must be in \[0, 1\)"),
+    (dict(budget=0), r"budget must be an int >= 1"),
+    (dict(ratio=0.5, budget=3), r"a compression ratio or a budget, not both"),
+], ids=["ratio_above_1", "ratio_below_0", "budget_0", "ratio_and_budget"])
+def test_compress_refuses_a_bad_target_before_changing_anything(target, message):
+    """``cache.compress`` itself (not only ``compress_caches``) checks its ratio/budget: a
+    ratio outside ``[0, 1)`` would keep ``max(1, int(T * (1 - ratio)))`` rows, budget 0 none."""
+    T = 30
+    k, v, f = _data(T, seed=7)
+    c = _cache("qfilters", f)
+    _feed(c, k, v, 10)
+    with pytest.raises(ValueError, match=message):
+        c.compress(**target)
+    assert not c.compressed and c.size() == T
+    assert c.kept_positions().tolist() == [[list(range(T))] * H] * B
+
+
+def test_prepare_call_runs_the_prompt_end_trigger_before_the_call():
+    """A batch cache sizes its rows after ``prepare_call(tokens)``: after a multi-token call,
+    ``prepare_call(1)`` compresses (the rule of kvpress, written out in ``_kvpress_keep``),
+    ``prepare_call(L > 1)`` does not, and a second ``prepare_call(1)`` changes nothing."""
+    T, ratio = 48, 0.75
+    k, v, f = _data(T, seed=8)
+    c = _cache("qfilters", f, qfilters_compress_at="prompt_end", qfilters_compression_ratio=ratio)
+    _feed(c, k, v, 16)
+    c.prepare_call(4)  # another chunk of the prompt: no compression yet
+    assert not c.compressed and c.size() == T
+    c.prepare_call(1)
+    want = _kvpress_keep(k, lambda x, h: x @ f[h].astype(np.float64), ratio)
+    assert c.compressed and c.size() == int(T * (1 - ratio))
+    assert c.kept_positions().tolist() == want
+    c.prepare_call(1)
+    assert c._compressed == (int(T * (1 - ratio)), T)
+
+
+def test_a_compression_that_keeps_every_row_evicts_nothing():
+    """``keep == size()`` (budget >= tokens, or ratio 0): no row is dropped, so the cache is not
+    ``evicted`` and a plain trim still removes stored tokens exactly (what a cache that never
+    compressed does), and the next single token appends."""
+    T = 20
+    k, v, f = _data(T + 1, seed=9)
+    for target in (dict(budget=T + 5), dict(ratio=0.0)):
+        c = _cache("qfilters", f)
+        _feed(c, k[:, :, :T], v[:, :, :T], 10)
+        assert c.compress(**target) == T
+        assert c.compressed and not c.evicted
+        assert c.trim(3) == 3
+        assert c.kept_positions().tolist() == [[list(range(T - 3))] * H] * B
+        keys, values = c.update_and_fetch(mx.array(k[:, :, T - 3:T - 2]), mx.array(v[:, :, T - 3:T - 2]))
+        np.testing.assert_array_equal(np.array(keys), k[:, :, :T - 2])
+        np.testing.assert_array_equal(np.array(values), v[:, :, :T - 2])
+
+
+
+def test_a_two_token_prompt_is_a_chunk_for_the_prompt_end_trigger():
+    """Any call of more than one token is prompt (``prompt_end``): a 2-token prompt is
+    compressed at the first single-token call, kvpress's rule on its 2 tokens."""
+    k, v, f = _data(3, seed=10)
+    c = _cache("qfilters", f, qfilters_compress_at="prompt_end", qfilters_compression_ratio=0.5)
+    c.update_and_fetch(mx.array(k[:, :, :2]), mx.array(v[:, :, :2]))
+    c.update_and_fetch(mx.array(k[:, :, 2:3]), mx.array(v[:, :, 2:3]))
+    want = _kvpress_keep(k[:, :, :2], lambda x, h: x @ f[h].astype(np.float64), 0.5)
+    assert c._compressed == (1, 2)
+    assert c.kept_positions().tolist() == [[row + [2] for row in rows] for rows in want]
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_trim_of_tokens_appended_after_the_compression_is_exact(n):
+    """Without a journal, ``trim(n)`` removes ``n`` of the tokens appended since the
+    compression (here 1 and all 4 of them): the cache equals one fed ``n`` tokens fewer, and
+    ``keys_and_values`` then refuses (nothing returned since the trim); ``trim(0)`` changes
+    nothing, not even what ``keys_and_values`` returns."""
+    T, grown = 40, 4
+    k, v, f = _data(T + grown, seed=11)
+
+    def compressed_then_fed(m):
+        c = _cache("qfilters", f)
+        c.keep_last_kv = True
+        _feed(c, k[:, :, :T], v[:, :, :T], 20)
+        c.compress(ratio=0.5)
+        for i in range(T, T + m):
+            c.update_and_fetch(mx.array(k[:, :, i:i + 1]), mx.array(v[:, :, i:i + 1]))
+        return c
+
+    c, ref = compressed_then_fed(grown), compressed_then_fed(grown - n)
+    last = c.keys_and_values()
+    assert c.trim(0) == 0 and c.keys_and_values() is last
+    assert c.trim(n) == n
+    assert c.offset == ref.offset == T + grown - n and c.size() == ref.size()
+    for a, b in zip(c.state[:4], ref.state[:4]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    with pytest.raises(ValueError, match="before any update_and_fetch since the cache was built, loaded or trimmed"):
+        c.keys_and_values()

@@ -99,6 +99,23 @@ def test_trim_back_into_calibration_recalibrates_from_full_precision_keys():
     assert mx.array_equal(plain.filter, quant.filter).item()
 
 
+
+def test_full_precision_keys_are_held_only_until_calibration_and_dropped_at_eviction():
+    """The quantized cache holds the full-precision keys of the first ``calib_tokens`` tokens
+    (bit for bit the inputs) from calibration until the first eviction, and no others: not
+    those of calls after calibration, not any once rows were evicted (``storage.nbytes``)."""
+    k, v = rand_kv(5, 80)
+    quant = QuantizedQFiltersKVCache(config(qfilters_budget=40, kv_bits=8))
+    list(feed([quant], k, v, [10, 10]))  # crosses calib_tokens=16 at the second call
+    held = quant.storage.fp_keys
+    assert quant.filter is not None and held.shape[2] == 16 and mx.array_equal(held, k[:, :, :16]).item()
+    list(feed([quant], k[:, :, 20:], v[:, :, 20:], [5]))  # scored at insertion: nothing more held
+    assert quant.size() == 25 and not quant.evicted
+    assert mx.array_equal(quant.storage.fp_keys, k[:, :, :16]).item()
+    assert quant.storage.nbytes == k[:, :, :16].nbytes
+    list(feed([quant], k[:, :, 25:], v[:, :, 25:], [20, 1, 3]))  # evicts; a step; a chunk
+    assert quant.evicted and quant.storage.fp_keys is None and quant.storage.nbytes == 0
+
 # ------------------------------------------------------------------- bytes
 def test_nbytes_counts_packed_scales_and_biases():
     """method='full' stores what QuantizedKVCache stores (same 256-row blocks): its K/V bytes
@@ -250,6 +267,9 @@ def test_runtime_errors_are_clear_and_change_nothing():
     c = QuantizedQFiltersKVCache(config(kv_bits=4))
     with pytest.raises(ValueError, match="keys head_dim 48 is not a multiple of kv_group_size 64"):
         c.update_and_fetch(mx.zeros((1, 2, 3, 48)), mx.zeros((1, 2, 3, 48)))
+    assert c.empty() and c.offset == 0
+    with pytest.raises(ValueError, match="values head_dim 40 is not a multiple of kv_group_size 64"):
+        c.update_and_fetch(mx.zeros((1, 2, 3, D)), mx.zeros((1, 2, 3, 40)))
     assert c.empty() and c.offset == 0
     k, v = rand_kv(8, 10)
     c.update_and_fetch(k, v)
