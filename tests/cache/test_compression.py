@@ -372,3 +372,15 @@ def test_trim_of_tokens_appended_after_the_compression_is_exact(n):
         np.testing.assert_array_equal(np.array(a), np.array(b))
     with pytest.raises(ValueError, match="before any update_and_fetch since the cache was built, loaded or trimmed"):
         c.keys_and_values()
+
+
+def test_compress_refuses_a_cache_trimmed_to_no_rows():
+    """A cache that held rows and was trimmed back to none is empty as a new one is: ``compress``
+    raises before changing anything (offset 0, no rows, not compressed)."""
+    k, v, f = _data(12, seed=3)
+    c = _cache("qfilters", f)
+    _feed(c, k, v, 12)
+    assert c.trim(12) == 12 and c.size() == 0 and c.keys is not None
+    with pytest.raises(ValueError, match="the cache is empty"):
+        c.compress(ratio=0.5)
+    assert not c.compressed and c.size() == 0 and c.offset == 0
