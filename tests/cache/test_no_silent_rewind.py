@@ -32,7 +32,7 @@ from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.cache.batch import BatchQFiltersCache
 from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
 from qfilters_mlx.model_info import default_caches, walk
-from test_rewind import DRAFT, MAIN, observable, prompt_tokens, rand_kv
+from test_rewind import DRAFT, MAIN, assert_unchanged, observable, prompt_tokens, rand_kv
 
 BASE = dict(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=0, qfilters_calib_tokens=8,
             qfilters_filter_source="keys")
@@ -102,8 +102,7 @@ def test_trim_prompt_cache_never_skips_a_cache_that_says_trimmable():
         assert trim_prompt_cache([c], 3) == want
         assert c.offset == 36 - want
         if want == 0:
-            for x, y in zip(before, observable(c)):
-                assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+            assert_unchanged(before, c)
 
 
 def test_server_prompt_cache_never_trims_what_it_cannot_and_never_raises():
@@ -157,8 +156,7 @@ def test_batch_trim_changes_no_row_unless_every_row_can(case):
     with pytest.raises(ValueError, match="trim\\(3\\)"):
         batch.trim(3)
     for b, c in zip(before, rows):
-        for x, y in zip(b, observable(c)):
-            assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+        assert_unchanged(b, c)
     ok = BatchQFiltersCache([_row(config, 40, 1), _row(config, 40, 2)])
     assert ok.trim(3) == 3 and [c.offset for c in ok.caches] == [37, 37]
 
@@ -179,8 +177,7 @@ def test_zero_token_batch_update_is_refused_like_the_single_cache():
     with pytest.raises(ValueError, match=re.escape(str(single.value))):
         batch.update_and_fetch(empty, empty)
     for b, c in zip(before, rows):
-        for x, y in zip(b, observable(c)):
-            assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+        assert_unchanged(b, c)
 
 
 def _head_dim_32_llama():
@@ -331,8 +328,7 @@ def test_auto_journal_turns_on_only_when_asked_before_the_first_eviction():
     assert never.journal_nbytes == 0 and asked.journal_nbytes > 0
     before = observable(late)
     assert not late.is_trimmable() and trim_prompt_cache([late], 3) == 0
-    for x, y in zip(before, observable(late)):
-        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    assert_unchanged(before, late)
     # within the journal: exactly the cache that never saw the tokens
     ref = QFiltersKVCache(KVCacheConfig(**BASE))
     ref.update_and_fetch(k[:, :, :30], v[:, :, :30])
@@ -340,13 +336,11 @@ def test_auto_journal_turns_on_only_when_asked_before_the_first_eviction():
         ref.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
     deeper = copy.deepcopy(asked)
     assert trim_prompt_cache([asked], AUTO_REWIND) == AUTO_REWIND
-    for x, y in zip(observable(asked), observable(ref)):
-        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    assert_unchanged(observable(ref), asked)
     before = observable(deeper)
     with pytest.raises(ValueError, match="max_rewind='auto'"):
         deeper.trim(AUTO_REWIND + 1)
-    for x, y in zip(before, observable(deeper)):
-        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+    assert_unchanged(before, deeper)
     assert not QuantizedQFiltersKVCache(QUANTIZED).is_trimmable()
     assert not QFiltersKVCache(KVCacheConfig(**BASE), max_rewind=0).is_trimmable()
 
