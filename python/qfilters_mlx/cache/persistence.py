@@ -32,6 +32,7 @@ from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.journal import to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.config import KVCacheConfig, config_from_state, config_to_state
+from qfilters_mlx.config.deprecated import BUILD_FIELDS
 
 __all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle"]
 
@@ -73,8 +74,7 @@ def encode(s: Snapshot) -> tuple:
     cfg = config_to_state(s.config)  # (the build options the config carries, replaced below)
     if not isinstance(cfg["qfilters_filters"], str):
         cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
-    names = ("qfilters_backend", "qfilters_max_rewind", "kv_bits", "kv_group_size")
-    cfg.update({k: v for k, v in zip(names, s.build) if v is not None})  # (None: the config's)
+    cfg.update({k: v for k, v in zip(BUILD_FIELDS, s.build) if v is not None})  # (None: the config's)
     meta = {
         "config": cfg,
         "filter_fixed": s.filter_fixed,
