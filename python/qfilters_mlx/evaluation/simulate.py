@@ -1,0 +1,192 @@
+"""Streaming eviction simulated in one forward pass: per-head attention masks.
+
+With scores fixed at insertion (the calibrated or a given filter, L2-norm, StreamingLLM,
+random), the keys a streaming cache holds when token ``t`` attends are a function of the
+scores of tokens ``< t`` alone: the first ``n_sink`` positions, the last ``recent``, and
+the highest-scored ``budget - n_sink - recent`` of the others (once a key is evicted it
+never returns, so the kept set after position ``p`` is the top of all candidates up to
+``p``; ties: the earlier position wins, as :func:`qfilters_mlx.backends.reference.select_keep`).
+Token ``t``'s own keys, at every layer, are computed from what the cache held at ``t``.
+So one teacher-forced forward pass whose attention at each layer and KV head is masked
+to those sets gives the same per-token NLLs as :func:`.perplexity.streaming_nll` fed
+token by token (``prefix`` tokens first in one call, then one at a time), up to the
+order of floating-point sums, at the cost of one prefill instead of ``T`` decode steps.
+
+Not covered: filters estimated online (``qfilters_calib_tokens`` first keys or queries:
+the scores then change at calibration), compress-once, quantized storage.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["MaskedArm", "keep_masks", "simulated_nll"]
+
+
+@dataclass(frozen=True)
+class MaskedArm:
+    """One eviction rule for :func:`simulated_nll`: a config's budget, sinks and recent
+    window(s), and a score.
+
+    Attributes:
+        config: a streaming-mode :class:`~qfilters_mlx.config.KVCacheConfig` (its budget,
+            ``n_sink`` and :meth:`~qfilters_mlx.config.KVCacheConfig.layer_recent`).
+        score: ``score(layer, keys [1, H_kv, T, D] post-RoPE) -> [1, H_kv, T]`` float32, each
+            key's score at insertion (higher is kept); ``None``: the config's own method
+            (:func:`~qfilters_mlx.cache.kv_cache.insertion_scores`, with ``filters[layer]``).
+        filters: ``[n_layers, H_kv, D]`` for ``method="qfilters"`` with ``score=None``.
+    """
+
+    config: object
+    score: Callable | None = None
+    filters: object = None
+
+    def __post_init__(self):
+        c = self.config
+        if c.compress_once:
+            raise ValueError("simulated_nll covers the streaming mode only")
+        if self.score is None and c.method == "qfilters" and self.filters is None:
+            raise ValueError("method='qfilters' without score= needs filters= (fixed at insertion: "
+                             "online filters are not covered)")
+
+    def scores(self, layer: int, keys: mx.array) -> mx.array:
+        """``[1, H_kv, T]`` float32 insertion scores of ``keys`` at ``layer``."""
+        if self.score is not None:
+            return self.score(layer, keys)
+        from qfilters_mlx.cache.kv_cache import insertion_scores
+
+        c = self.config
+        positions = mx.broadcast_to(mx.arange(keys.shape[2]), keys.shape[:3])
+        f = None if self.filters is None else self.filters[layer]
+        return insertion_scores(c.method, keys, positions, filters=f, sign=c.score_sign,
+                                seed=c.qfilters_seed, layer=layer)
+
+    def windows(self, layer: int, heads: int) -> list[int]:
+        """The recent window of each of the ``heads`` KV heads of ``layer``."""
+        r = self.config.layer_recent(layer)
+        return [int(r)] * heads if isinstance(r, int) else [int(x) for x in r]
+
+
+def keep_masks(scores: np.ndarray, budget: int, n_sink: int, recent, prefix: int) -> np.ndarray:
+    """``[H, T, T]`` bool: query ``t`` attends key ``j``.
+
+    Queries ``t < prefix`` (the first call) attend every ``j <= t``; a later query attends
+    what the cache kept after position ``t - 1`` and itself.
+
+    Args:
+        scores: ``[H, T]`` insertion scores (NaN ranks lowest).
+        budget, n_sink: tokens kept per head, leading positions never evicted.
+        recent: ``H`` ints, trailing positions never evicted per head.
+        prefix: tokens of the first call (``>= 1``).
+    """
+    H, T = scores.shape
+    s = np.where(np.isnan(scores), -np.inf, scores)
+    t = np.arange(T)[:, None]
+    j = np.arange(T)[None, :]
+    out = np.zeros((H, T, T), dtype=bool)
+    for h in range(H):
+        window = int(recent[h])
+        keep_top = budget - n_sink - window
+        evicted_after = np.full(T, T)  # key j is visible to queries t <= evicted_after[j]
+        heap: list = []
+        nxt = n_sink
+        for p in range(prefix - 1, T - 1):  # the cache after position p, seen by query p + 1
+            while nxt <= p - window:
+                heapq.heappush(heap, (s[h, nxt], -nxt))  # evicted first: low score, then late
+                nxt += 1
+            while len(heap) > keep_top:
+                evicted_after[-heapq.heappop(heap)[1]] = p
+        kept = (j < n_sink) | (j >= t - window) | (evicted_after[None, :] >= t)
+        out[h] = (j <= t) & (kept | (t < prefix))
+    return out
+
+
+class _OnePass:
+    """Stand-in for one layer's cache in the single forward pass: scores the keys and holds
+    the layer's mask for the patched attention."""
+
+    def __init__(self, layer: int, arm: MaskedArm, prefix: int):
+        self.layer, self.arm, self.prefix = layer, arm, prefix
+        self.offset = 0
+        self.mask = None
+        self.attended = False  # set by the patched attention
+
+    def update_and_fetch(self, keys, values):
+        if self.offset:
+            raise RuntimeError("simulated_nll: a layer was called twice in one pass")
+        H = keys.shape[1]
+        c = self.arm.config
+        scores = np.array(self.arm.scores(self.layer, keys).astype(mx.float32))[0]
+        m = keep_masks(scores, c.qfilters_budget, c.qfilters_n_sink, self.arm.windows(self.layer, H),
+                       self.prefix)
+        self.mask = mx.array(m)[None]  # [1, H_kv, T, T]
+        self.offset = keys.shape[2]
+        return keys, values
+
+
+@contextmanager
+def _masked_attention():
+    """Route mlx-lm's ``scaled_dot_product_attention`` of :class:`_OnePass` layers through
+    their per-KV-head masks (every loaded ``mlx_lm.models`` module that imported it)."""
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        if not isinstance(cache, _OnePass):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        groups = queries.shape[1] // keys.shape[1]  # GQA: query head h reads KV head h // groups
+        m = mx.repeat(cache.mask, groups, axis=1) if groups > 1 else cache.mask
+        cache.attended = True
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=m,
+                                                    sinks=sinks)
+
+    patched = [m for name, m in list(sys.modules.items())
+               if name.startswith("mlx_lm.models.") and getattr(m, "scaled_dot_product_attention", None)
+               is original]
+    for m in patched:
+        m.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        for m in patched:
+            m.scaled_dot_product_attention = original
+
+
+def simulated_nll(model, tokens, arm: MaskedArm, prefix: int) -> list[float]:
+    """Per-token NLLs (nats) of ``tokens[prefix:]`` under streaming eviction by ``arm``, in one
+    forward pass (module docstring): what :func:`.perplexity.streaming_nll` returns for
+    caches evicting by the same fixed scores.
+
+    Args:
+        model: an mlx-lm model whose attention layers call mlx-lm's
+            ``scaled_dot_product_attention`` with their cache (the llama family and most others).
+        tokens: 1-D token ids.
+        arm: the eviction rule.
+        prefix: tokens of the first call, ``1 <= prefix < len(tokens)``.
+
+    Raises:
+        ValueError: ``prefix`` out of range; RuntimeError: some layer's attention did not go
+            through the masked path (its mask would be silently causal).
+    """
+    toks = mx.array(tokens)
+    T = toks.shape[0]
+    if not 1 <= prefix < T:
+        raise ValueError(f"prefix must be in [1, {T - 1}], got {prefix}")
+    caches = [_OnePass(i, arm, prefix) for i in range(len(model.layers))]
+    with _masked_attention():
+        logits = model(toks[None, :-1], cache=caches)[0].astype(mx.float32)
+    missed = [i for i, c in enumerate(caches) if not c.attended]
+    if missed:
+        raise RuntimeError(f"simulated_nll: the attention of layers {missed} did not go through "
+                           "mlx-lm's scaled_dot_product_attention with their cache (not maskable)")
+    lp = logits[prefix - 1:]
+    nll = mx.logsumexp(lp, axis=-1) - mx.take_along_axis(lp, toks[prefix:, None], axis=-1)[:, 0]
+    return nll.tolist()

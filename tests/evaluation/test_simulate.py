@@ -1,0 +1,105 @@
+"""Streaming eviction simulated by attention masks in one forward pass: the masks follow the
+keep rule written out in numpy at every step, and the NLLs equal the caches fed token by token."""
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers.oracle import np_keep
+from helpers.query_models import tiny_llama
+from qfilters_mlx.cache.kv_cache import build_cache
+from qfilters_mlx.config import CompressOnce, KVCacheConfig
+from qfilters_mlx.evaluation.perplexity import full_cache_nll, streaming_nll
+from qfilters_mlx.evaluation.simulate import MaskedArm, keep_masks, simulated_nll
+
+HD = 16  # tiny_llama: hidden 144 / 9 query heads
+
+
+@pytest.mark.parametrize("budget,n_sink,recent,prefix", [
+    (8, 2, (0, 3, 5), 1), (8, 0, (2, 2, 2), 5), (12, 4, (0, 0, 8), 12), (6, 1, (5, 0, 1), 3),
+])
+def test_keep_masks_are_the_kept_set_after_every_step(budget, n_sink, recent, prefix):
+    rng = np.random.default_rng(budget + prefix)
+    scores = rng.integers(0, 4, (3, 40)).astype(np.float32)  # many ties: earlier wins
+    scores[1, 7] = np.nan  # ranks lowest
+    m = keep_masks(scores, budget, n_sink, list(recent), prefix)
+    for h in range(3):
+        for t in range(40):
+            if t < prefix:  # the first call attends causally
+                want = np.arange(t + 1)
+            else:  # what a cache kept after position t - 1, and the query's own key
+                want = np.append(np_keep(scores[h, :t], budget, n_sink, recent[h]), t)
+            np.testing.assert_array_equal(np.nonzero(m[h, t])[0], want, err_msg=f"head {h} query {t}")
+
+
+def _filters(seed=3):
+    f = np.random.default_rng(seed).standard_normal((2, 3, HD)).astype(np.float32)
+    return mx.array(f / np.linalg.norm(f, axis=-1, keepdims=True))
+
+
+CONFIGS = {
+    "streaming_llm": (KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16), None),
+    "random": (KVCacheConfig(method="random", head_dim=HD, qfilters_budget=16, qfilters_recent=4,
+                             qfilters_seed=5), None),
+    "qfilters": (KVCacheConfig(method="qfilters", head_dim=HD, qfilters_budget=20, qfilters_recent=0,
+                               qfilters_n_sink=2), _filters()),
+    "qfilters-sign-1-perhead": (KVCacheConfig(method="qfilters", head_dim=HD, qfilters_budget=16,
+                                              qfilters_sign=-1, qfilters_filter_source="keys",
+                                              qfilters_recent=((0, 3, 9), (6, 1, 2))), _filters(4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("prefix", [1, 10])
+def test_simulated_nll_equals_the_caches_fed_token_by_token(name, prefix):
+    # (tie-free scores: l2norm ties repeated tokens exactly at layer 0, and rounding, which
+    # differs between one pass and decode steps, may then pick either)
+    cfg, filters = CONFIGS[name]
+    model = tiny_llama(seed=1)
+    tokens = np.random.default_rng(2).integers(0, 101, 70).tolist()
+    caches = [build_cache(cfg, i, filters=None if filters is None else filters[i]) for i in range(2)]
+    want = streaming_nll(model, tokens, caches, prefix)
+    got = simulated_nll(model, tokens, MaskedArm(cfg, filters=filters), prefix)
+    assert len(got) == len(want) == 70 - prefix
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    # and the eviction mattered: the full cache (mlx-lm's own) predicts otherwise
+    assert np.abs(np.array(full_cache_nll(model, tokens, prefix)) - np.array(want)).max() > 1e-3
+
+
+def test_a_score_function_replaces_the_method():
+    cfg, filters = CONFIGS["qfilters"]
+    model = tiny_llama(seed=1)
+    tokens = np.random.default_rng(2).integers(0, 101, 50).tolist()
+
+    def score(layer, keys):  # the filter's projection, written out
+        return (keys.astype(mx.float32) @ filters[layer][:, :, None])[None, ..., 0][0]
+
+    same = simulated_nll(model, tokens, MaskedArm(cfg, filters=filters), 4)
+    got = simulated_nll(model, tokens, MaskedArm(cfg, score=score), 4)
+    np.testing.assert_allclose(got, same, atol=1e-6)
+
+
+def test_what_it_does_not_cover_is_refused():
+    model = tiny_llama(seed=1)
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
+    for bad in (0, 30):
+        with pytest.raises(ValueError, match="prefix"):
+            simulated_nll(model, list(range(30)), MaskedArm(cfg), bad)
+    with pytest.raises(ValueError, match="streaming mode"):
+        MaskedArm(replace(cfg, mode=CompressOnce(0.5)))
+    with pytest.raises(ValueError, match="filters="):
+        MaskedArm(KVCacheConfig(method="qfilters", head_dim=HD, qfilters_budget=16))
+
+
+def test_attention_outside_mlx_lm_s_sdpa_raises(monkeypatch):
+    import mlx_lm.models.llama as llama
+
+    model = tiny_llama(seed=1)
+    original = llama.scaled_dot_product_attention
+    monkeypatch.setattr(llama, "scaled_dot_product_attention",
+                        lambda *a, **k: original(*a, **k))  # not the function the masks replace
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
+    with pytest.raises(RuntimeError, match="layers \\[0, 1\\]"):
+        simulated_nll(model, list(range(30)), MaskedArm(cfg), 4)
