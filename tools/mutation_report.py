@@ -3,7 +3,12 @@ hand-classified equivalent mutants into ``bench/results/mutation.json`` and ``mu
 
 Usage (after ``python tools/mutation.py ...`` and ``... --resume --recheck`` in each work dir)::
 
-    python tools/mutation_report.py [--workdir /tmp/qfilters-mutation /tmp/qfilters-mutation-components]
+    python tools/mutation_report.py [--workdir NEWEST ... OLDEST]
+
+Several work dirs (newest first) combine per function: a mutant's result comes from the newest
+run that checked it on the same function source (mutmut's function hash equal to the newest
+run's), so an older run's results stand for the functions unchanged since and a run of the
+changed or unchecked functions (``--only``) completes it.
 
 Per module: mutmut's counts (``killed``, ``survived``, ``timeout``, ``no_tests``,
 ``not_checked``), then the final verdict of every mutant mutmut did not count as killed:
@@ -28,15 +33,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
-RUNS = {  # work dir -> the command that made it
+RUNS = {  # work dir -> the command that made it, newest first
+    "/tmp/qfm-core": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-core "
+                     "--modules cache/kv_cache.py cache/calibration.py cache/journal.py --only "
+                     "'qfilters_mlx.cache.calibration.*' 'qfilters_mlx.cache.journal.*' "
+                     "'qfilters_mlx.cache.kv_cache.<function>__mutmut_*' ...: every function of "
+                     "kv_cache.py but the fourteen the run below checked on the same source",
     "/tmp/qfilters-mutation": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
                               "--modules cache/kv_cache.py cache/calibration.py [--resume --only "
                               "'qfilters_mlx.cache.kv_cache.xǁQFiltersKVCacheǁ<function>__mutmut_*' ...: "
                               "update_and_fetch _validate _before_call _append _decode_step _evict _calibrate; then "
-                              "trim trim_count _undo_call _undo_layout]",
-    "/tmp/qfilters-mutation-components": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                                         "--workdir /tmp/qfilters-mutation-components "
-                                         "--modules cache/persistence.py cache/journal.py",
+                              "trim trim_count _undo_call _undo_layout; then a run over observe_queries check_compress compress, "
+                              "stopped]",
 }
 
 
@@ -85,22 +93,51 @@ def rechecks(work: Path) -> dict:
     return found
 
 
-def verdicts(work: Path, equivalents: dict, modules: dict, survivors: list) -> None:
-    """Add the modules of one work dir to ``modules`` and its non-killed mutants to ``survivors``."""
-    recheck = rechecks(work)
+def _function(name: str) -> str:
+    """The mutated function's key in mutmut's ``hash_by_function_name`` (``xǁClassǁmethod``, ``x_function``)."""
+    return name.rsplit(".", 1)[1].rsplit("__mutmut_", 1)[0]
+
+
+def load_run(work: Path) -> dict:
+    """``{module: {"codes", "hashes", "meta", "work"}}`` of one work dir's mutmut ``.meta`` files."""
+    out = {}
     for meta in sorted((work / "mutants" / "src").rglob("*.py.meta")):
         module = str(meta.relative_to(work / "mutants" / "src" / "qfilters_mlx"))[: -len(".meta")]
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        funcs = functions(meta.with_suffix(""))
-        raw = Counter(STATUS.get(c, "suspicious") for c in codes.values())
-        final = Counter()
-        for name, code in sorted(codes.items()):
+        data = json.loads(meta.read_text())
+        out[module] = {"codes": data["exit_code_by_key"], "hashes": data["hash_by_function_name"],
+                       "meta": meta, "work": work}
+    return out
+
+
+def verdicts(runs: list[dict], equivalents: dict, modules: dict, survivors: list) -> None:
+    """Add every module of ``runs`` (work dirs, newest first) to ``modules`` and its non-killed
+    mutants to ``survivors``. A module's mutants are those of the newest run holding it; each
+    mutant's result comes from the newest run that checked it *on the same function source*
+    (mutmut's function hash equal to the newest run's): an older run's results stand for
+    the functions unchanged since."""
+    rechecked = {}
+    for module in dict.fromkeys(m for run in runs for m in run):
+        holding = [run[module] for run in runs if module in run]
+        newest = holding[0]
+        funcs = {}
+        raw, final = Counter(), Counter()
+        for name in sorted(newest["codes"]):
+            fn = _function(name)
+            src = next((r for r in holding if r["codes"].get(name) is not None
+                        and r["hashes"].get(fn) == newest["hashes"].get(fn)), newest)
+            code = src["codes"].get(name)
             status = STATUS.get(code, "suspicious")
+            raw[status] += 1
             if status in ("not_checked", "skipped", "killed"):
                 final[status] += 1
                 continue
-            r = recheck.get(name)
-            diff = mutant_diff(funcs, name)
+            work = src["work"]
+            if work not in rechecked:
+                rechecked[work] = rechecks(work)
+            if src["meta"] not in funcs:
+                funcs[src["meta"]] = functions(src["meta"].with_suffix(""))
+            r = rechecked[work].get(name)
+            diff = mutant_diff(funcs[src["meta"]], name)
             reason = equivalents.get((name.split("__mutmut_")[0], diff[:400]))
             if status == "no_tests" and reason is None:
                 final[status] += 1
@@ -122,7 +159,7 @@ def verdicts(work: Path, equivalents: dict, modules: dict, survivors: list) -> N
                               "diff": diff, "status": verdict})
         checked = sum(v for k, v in raw.items() if k not in ("not_checked", "no_tests", "skipped"))
         modules[module] = {
-            "total": len(codes), "mutmut": dict(raw),
+            "total": len(newest["codes"]), "mutmut": dict(raw),
             "mutmut_score": round((raw["killed"] + raw["timeout"]) / max(checked, 1), 4),
             "final": dict(final), "checked": checked,
             "score": round(final["killed"] / max(checked - final["equivalent"], 1), 4),
@@ -175,8 +212,7 @@ def main() -> int:
     equivalents = {(e["function"], e["diff"][:400]): e["reason"]
                    for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
     modules, survivors = {}, []
-    for work in a.workdir:
-        verdicts(Path(work), equivalents, modules, survivors)
+    verdicts([load_run(Path(w)) for w in a.workdir], equivalents, modules, survivors)
     results = {"commands": [RUNS.get(w, f"python tools/mutation.py --workdir {w} ...") for w in a.workdir],
                "score": "killed / (checked - equivalent); checked: mutants mutmut ran",
                "modules": modules, "survivors": survivors}

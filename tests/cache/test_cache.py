@@ -2,6 +2,8 @@
 
 import math
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -530,6 +532,13 @@ def test_constructor_rejects_each_bad_filters_naming_the_argument():
         c = QFiltersKVCache(config, filters=mx.array(f).astype(mx.float16))
         assert c.filter.dtype == mx.float32 and c.filter_fixed and c.scoring_ready
         np.testing.assert_array_equal(np.array(c.filter), f)
+    # No filters: refused where the config scores with the calibrated filter (the default
+    # source), accepted for the online sources and for the methods that need no filter.
+    with pytest.raises(ValueError, match="qfilters_filter_source='calibrated' .* pass filters="):
+        QFiltersKVCache(cfg)
+    for ok in (replace(cfg, qfilters_filter_source="keys", qfilters_sign=None),
+               replace(cfg, method="l2norm"), replace(cfg, method="streaming_llm")):
+        assert QFiltersKVCache(ok).filter is None
 
 
 def test_default_layer_is_layer_zero_for_the_random_arm():
@@ -821,6 +830,8 @@ def test_keys_and_values_refuses_after_a_trim(max_rewind):
     k, v = rand_kv(23, T=30)
     c = QFiltersKVCache(make("l2norm", budget=16).config, max_rewind=max_rewind)
     c.keep_last_kv = True
+    with pytest.raises(ValueError, match="before any update_and_fetch since the cache was built"):
+        c.keys_and_values()  # a new cache has returned nothing yet
     feed(c, k[:, :, :10], v[:, :, :10], [6, 4])
     keys, values = c.keys_and_values()
     np.testing.assert_array_equal(np.array(keys), np.array(k[:, :, :10]))

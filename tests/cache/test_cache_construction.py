@@ -52,8 +52,25 @@ def test_kv_bits_config_is_refused_by_the_dense_class_and_picked_by_build_cache(
     assert type(q) is QuantizedQFiltersKVCache and (q.bits, q.group_size, q.layer_idx) == (8, 64, 3)
     plain = build_cache(config())
     assert type(plain) is QFiltersKVCache and not hasattr(plain, "bits")
-    with pytest.raises(TypeError, match="KVCacheConfig"):
+    with pytest.raises(TypeError, match="KVCacheConfig, got dict"):
         build_cache({"kv_bits": 8})
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_build_cache_hands_every_argument_to_the_class_it_picks(bits):
+    f = mx.array(np.random.default_rng(0).standard_normal((2, D)).astype(np.float32))
+    cfg = config(qfilters_filter_source="calibrated", qfilters_sign=None)
+    depth = 0 if bits else 3  # (a quantized cache cannot rewind)
+    c = build_cache(cfg, 2, f, bits=bits, group_size=32 if bits else None, backend="reference",
+                    max_rewind=depth)
+    assert type(c) is (QuantizedQFiltersKVCache if bits else QFiltersKVCache)
+    assert (c.layer_idx, c._backend_name, c.max_rewind, c.filter_fixed) == (2, "reference", depth, True)
+    assert bool(mx.array_equal(c.filter, f))
+    if bits:
+        assert (c.bits, c.group_size) == (8, 32)
+    # the defaults: layer 0, no filter, the config's backend and rewind depth
+    d = build_cache(config(), bits=bits)
+    assert (d.layer_idx, d.filter, d._backend_name, d.max_rewind) == (0, None, "auto", "auto")
 
 
 def test_one_base_class_and_the_quantized_sibling_overrides_no_step_of_the_hot_path():

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from helpers.oracle import np_keep_rows
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache, compress_caches
+from qfilters_mlx.config import CompressOnce
 
 B, H, D = 2, 3, 16
 
@@ -212,14 +214,16 @@ def test_query_calibrated_filter_then_compress():
     c.queries_observed = True  # what observe_queries sets
     c.update_and_fetch(mx.array(k[:, :, :8]), mx.array(v[:, :, :8]))
     c.observe_queries(mx.array(q[:, :, :8]))
-    with pytest.raises(ValueError, match="qfilters_calib_tokens"):
+    with pytest.raises(ValueError, match="qfilters_calib_tokens=16 and its queries observed \\(observe_queries\\)\\)"):
         c.compress(ratio=0.5)  # filter not estimated yet: nothing changed
     assert c.size() == 8
     for s in range(8, T, 8):
         c.update_and_fetch(mx.array(k[:, :, s:s + 8]), mx.array(v[:, :, s:s + 8]))
         c.observe_queries(mx.array(q[:, :, s:s + 8]))
     assert c.size() == T  # nothing evicted before the compression
+    assert c.state[5].shape == (B, 2 * H, calib, D)  # the calibration queries, kept for rewinds
     c.compress(ratio=0.5)
+    assert c.state[5] is None  # dropped with the first eviction, as streaming drops them
     f = np.array(c.filter)
     want = _kvpress_keep(k, lambda x, h: x @ f[h].astype(np.float64), 0.5)
     assert c.kept_positions().tolist() == want
@@ -251,6 +255,14 @@ def test_prompt_end_trigger_in_mlx_lm_generate_step():
         assert (pos[..., :K] < T - 1).all()
         assert (pos[..., K:] == np.arange(T - 1, pos.shape[2] - K + T - 1)).all()
         assert pos.shape[2] >= K + steps
+
+
+def test_compress_before_a_key_filter_is_estimated_names_no_queries():
+    k, v, _ = _data(8, seed=2)
+    c = _cache("qfilters", None, qfilters_filter_source="keys", qfilters_sign=-1, qfilters_calib_tokens=16)
+    _feed(c, k, v, 8)
+    with pytest.raises(ValueError, match="qfilters_calib_tokens=16\\); pass calibrated filters"):
+        c.compress(ratio=0.5)
 
 
 def test_config_errors_name_the_field():
@@ -384,3 +396,50 @@ def test_compress_refuses_a_cache_trimmed_to_no_rows():
     with pytest.raises(ValueError, match="the cache is empty"):
         c.compress(ratio=0.5)
     assert not c.compressed and c.size() == 0 and c.offset == 0
+
+
+def _new_cache(f, mode, **kw):
+    """A compress-once cache in today's spelling (mode object, build options as keywords)."""
+    cfg = KVCacheConfig(method="qfilters", head_dim=D, mode=mode, qfilters_n_sink=kw.pop("n_sink", 0),
+                        qfilters_filter_source="calibrated", **kw)
+    return QFiltersKVCache(cfg, filters=mx.array(f), backend="reference")
+
+
+def test_a_recent_window_wider_than_the_compressed_budget_is_cut_to_it():
+    """``qfilters_recent`` larger than what a compression keeps after its sinks: the sinks and
+    the last ``keep - n_sink`` positions are kept (the window cut to the budget, numpy rule)."""
+    k, v, f = _data(30, seed=5)
+    c = _new_cache(f, CompressOnce(at="manual"), n_sink=2, qfilters_recent=12, qfilters_budget=20)
+    _feed(c, k, v, 30)
+    assert c.compress(budget=6) == 6
+    want = np_keep_rows(np.zeros((B, H, 30)), 6, 2, 4)  # 2 sinks + the last 4 (scores unused)
+    np.testing.assert_array_equal(np.array(c.kept_positions()), want)
+
+
+def test_a_compression_to_one_row_without_growth_keeps_one_row_while_decoding():
+    k, v, f = _data(24, seed=6)
+    c = _new_cache(f, CompressOnce(growth=0, at="manual"), qfilters_budget=8, qfilters_recent=0)
+    _feed(c, k[:, :, :16], v[:, :, :16], 16)
+    assert c.compress(budget=1) == 1
+    scores = np.einsum("bhtd,hd->bht", k.astype(np.float64), f.astype(np.float64))
+    for t in range(16, 24):
+        c.update_and_fetch(mx.array(k[:, :, t:t + 1]), mx.array(v[:, :, t:t + 1]))
+        assert c.size() == 1
+        # the one row is the best-scored token seen so far (kept set of the streaming rule)
+        want = np_keep_rows(scores[:, :, :t + 1], 1, 0, 0)
+        np.testing.assert_array_equal(np.array(c.kept_positions()), want)
+
+
+def test_a_trim_after_growth_was_evicted_again_is_refused_without_a_journal():
+    """Tokens appended after the compression and then evicted (growth exceeded in one call):
+    no trim can restore them without the journal, so ``trim`` raises before changing anything."""
+    k, v, f = _data(30, seed=7)
+    c = _new_cache(f, CompressOnce(growth=2, at="manual"), qfilters_budget=8, qfilters_recent=0)
+    _feed(c, k[:, :, :20], v[:, :, :20], 20)
+    c.compress(budget=8)
+    c.update_and_fetch(mx.array(k[:, :, 20:25]), mx.array(v[:, :, 20:25]))  # 5 > growth 2: evicts
+    assert c.size() == 10 and c.offset == 25
+    before = [np.array(a) for a in c.state[:4]]
+    with pytest.raises(ValueError, match="cannot rewind 1 tokens after an eviction"):
+        c.trim(1)
+    assert c.offset == 25 and all(np.array_equal(a, np.array(b)) for a, b in zip(before, c.state[:4]))

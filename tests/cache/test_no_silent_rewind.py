@@ -373,3 +373,18 @@ def test_speculative_through_make_cache_runs_with_the_default_config():
     finally:
         del MAIN.make_cache
     assert got == want and len(got) == 20
+
+
+@pytest.mark.parametrize("max_rewind", [0, 16, "auto"])
+def test_a_full_cache_is_trimmable_at_every_depth_and_keeps_no_journal(max_rewind):
+    """``method="full"`` never evicts: every rewind is a plain trim, so it says True at any
+    ``max_rewind`` and keeps no journal (nothing to replay), and trims exactly."""
+    k, v = rand_kv(6)
+    c = QFiltersKVCache(KVCacheConfig(**{**BASE, "method": "full"}), max_rewind=max_rewind)
+    assert c.is_trimmable()
+    c.update_and_fetch(k[:, :, :30], v[:, :, :30])
+    for t in range(30, 34):
+        c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert c.journal_nbytes == 0 and not c._journal.active and c.is_trimmable()
+    assert c.trim(5) == 5 and c.offset == 29
+    np.testing.assert_array_equal(np.array(c.state[0]), np.array(k[:, :, :29]))

@@ -246,6 +246,48 @@ def test_to_quantized_continues_like_a_cache_built_quantized():
     assert conv.nbytes == built.nbytes
 
 
+@pytest.mark.parametrize("fed, source", [(10, "keys"), (20, "keys"), (20, "calibrated")])
+def test_to_quantized_before_the_first_eviction_continues_like_a_cache_built_quantized(fed, source):
+    """Converted before calibration (10 of 16 tokens), after it (20) or with a fixed filter: the
+    converted cache holds the same full-precision keys as one built with kv_bits (all before
+    calibration, the first 16 after, none with a fixed filter), estimates the same filter, and
+    continues bit for bit, also through a trim back into calibration."""
+    k, v = rand_kv(9, 80)
+    f = mx.array(np.random.default_rng(9).standard_normal((2, D)).astype(np.float32))
+    kw = dict(qfilters_filter_source=source, qfilters_sign=None if source == "calibrated" else -1)
+    filters = f if source == "calibrated" else None
+    plain = QFiltersKVCache(config(**kw), filters=filters)
+    built = QuantizedQFiltersKVCache(config(kv_bits=8, **kw), filters=filters)
+    list(feed([plain, built], k, v, [fed]))
+    conv = plain.to_quantized(group_size=64, bits=8)
+    held = built.storage.fp_keys
+    assert (conv.storage.fp_keys is None) == (held is None) and conv.storage.nbytes == built.storage.nbytes
+    if held is not None:
+        assert mx.array_equal(conv.storage.fp_keys, held).item()
+    if source == "keys" and fed > 16:
+        assert conv.trim(8) == built.trim(8) == 8 and conv.filter is None  # back into calibration
+        start = fed - 8
+    else:
+        start = fed
+    for (kb, vb), (kc, vc) in feed([built, conv], k[:, :, start:], v[:, :, start:], [12, 30, 1, 1, 5]):
+        for x, y in zip((*kb, *vb), (*kc, *vc)):
+            assert mx.array_equal(x, y).item()
+    assert mx.array_equal(conv.filter, built.filter).item() and conv.nbytes == built.nbytes
+
+
+def test_from_cache_defaults_are_mlx_lm_s_to_quantized_defaults():
+    import inspect
+
+    from mlx_lm.models.cache import KVCache
+
+    want = {n: p.default for n, p in inspect.signature(KVCache.to_quantized).parameters.items() if n != "self"}
+    k, v = rand_kv(10, 20)
+    plain = QFiltersKVCache(config())
+    plain.update_and_fetch(k, v)
+    conv = QuantizedQFiltersKVCache.from_cache(plain)
+    assert {"group_size": conv.group_size, "bits": conv.bits} == want
+
+
 # ------------------------------------------------------------------- errors
 @pytest.mark.parametrize("kw, match", [
     (dict(kv_bits=3), "kv_bits must be None or one of"),
@@ -262,8 +304,12 @@ def test_config_errors_name_the_field(kw, match):
 
 
 def test_runtime_errors_are_clear_and_change_nothing():
-    with pytest.raises(ValueError, match="needs config.kv_bits"):
+    with pytest.raises(ValueError, match="QuantizedQFiltersKVCache needs config.kv_bits"):
         QuantizedQFiltersKVCache(config())
+    for make in (lambda: QuantizedQFiltersKVCache(config(head_dim=96), bits=4),
+                 lambda: QuantizedQFiltersKVCache.from_cache(QFiltersKVCache(config(head_dim=96)), 64, 4)):
+        with pytest.raises(ValueError, match=r"head_dim \(96\) must be a multiple of kv_group_size \(64\)"):
+            make()
     c = QuantizedQFiltersKVCache(config(kv_bits=4))
     with pytest.raises(ValueError, match="keys head_dim 48 is not a multiple of kv_group_size 64"):
         c.update_and_fetch(mx.zeros((1, 2, 3, 48)), mx.zeros((1, 2, 3, 48)))
