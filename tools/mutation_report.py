@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it, newest first
+    "/tmp/qfm-rest": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-rest "
+                     "--modules backends/reference.py cache/persistence.py",
     "/tmp/qfm-core": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-core "
                      "--modules cache/kv_cache.py cache/calibration.py cache/journal.py --only "
                      "'qfilters_mlx.cache.calibration.*' 'qfilters_mlx.cache.journal.*' "

@@ -129,3 +129,101 @@ def test_round_trip_keeps_every_attribute_and_continues_bit_for_bit(backend, fil
             np.testing.assert_array_equal(vc, vd)
         assert_same_cache(c, d)
     assert c.filter is not None and c.evicted and c.offset == t + 22
+
+
+@pytest.mark.parametrize("how", ["file", "state"])
+def test_a_compress_once_cache_waiting_for_its_trigger_round_trips_it(how, tmp_path):
+    """Saved after the prompt's chunk, before the single-token call that compresses it
+    (``at="prompt_end"``), with ``keep_last_kv``: the loaded cache has both flags, compresses
+    at the same call and continues bit for bit."""
+    from qfilters_mlx.config import CompressOnce
+
+    rng = np.random.default_rng(4)
+    k, v = (mx.array(rng.standard_normal((1, H_KV, 40, D)).astype(np.float32)) for _ in range(2))
+    f = mx.array(rng.standard_normal((H_KV, D)).astype(np.float32))
+    cfg = KVCacheConfig(method="qfilters", head_dim=D, qfilters_budget=12, qfilters_n_sink=2,
+                        qfilters_recent=0, mode=CompressOnce(ratio=0.5))
+    c = QFiltersKVCache(cfg, filters=f, backend="reference")
+    c.keep_last_kv = True
+    c.update_and_fetch(k[:, :, :30], v[:, :, :30])
+    assert c._saw_chunk and not c.compressed
+    r = reloaded(c, how, tmp_path)
+    assert r._saw_chunk is True and r.keep_last_kv is True
+    for x, y in zip(c.state[:4], r.state[:4]):
+        np.testing.assert_array_equal(bits(x), bits(y))
+    for t in range(30, 34):
+        for a, b in zip(c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1]),
+                        r.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])):
+            np.testing.assert_array_equal(bits(a), bits(b))
+    assert c.compressed and r.compressed and c.size() == r.size() == 19  # 15 kept + 4 grown
+    assert c._compressed == r._compressed and c.offset == r.offset == 34
+    for x, y in zip(c.state[:4], r.state[:4]):
+        np.testing.assert_array_equal(bits(x), bits(y))
+    for x, y in zip(c.keys_and_values(), r.keys_and_values()):
+        np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def _state(**kw):
+    """A valid saved state of a streaming cache mid-decode (slot layout), as a list."""
+    rng = np.random.default_rng(5)
+    k, v = (mx.array(rng.standard_normal((1, H_KV, 30, D)).astype(np.float32)) for _ in range(2))
+    cfg = KVCacheConfig(method=kw.pop("method", "l2norm"), head_dim=D, qfilters_budget=12,
+                        qfilters_recent=4)
+    c = QFiltersKVCache(cfg, backend="reference")
+    c.update_and_fetch(k[:, :, :20], v[:, :, :20])
+    for t in range(20, 23):
+        c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    return list(c.state)
+
+
+def _meta(state, **changes):
+    meta = json.loads(state[6])
+    for key, value in changes.items():
+        meta[key] = value
+    return [*state[:6], json.dumps(meta)]
+
+
+def test_malformed_states_are_refused_naming_the_cause():
+    from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
+
+    s = _state()
+    assert json.loads(s[6])["slots"] is not None  # saved mid-decode: a slot layout
+    short = r"^state must be \(keys, values, scores, positions, filter, queries, meta\)$"
+    long = r"^state must be \(keys, values, scores, positions, filter, queries, meta, fp_keys\) for a QuantizedQFiltersKVCache$"
+    shapes = r"^state: keys/values/scores/positions shapes disagree with each other or with the offset$"
+    k, v, sc, pos = s[:4]
+    bad = {
+        short: [s[:6], s + [None], tuple(s[:5])],
+        r"^state: keys, values, scores and positions must all be set or all None$":
+            [[None, *s[1:]], [*s[:3], None, *s[4:]]],
+        shapes: [[k[0], *s[1:]], [k, v[:, :, :5], *s[2:]], [k, v, sc[:, :1], *s[3:]],
+                 [*s[:3], pos[:, :, :5], *s[4:]], _meta(s, offset=5)],
+        r"^state: meta 'slots' does not match the rows$":
+            [_meta(s, slots={**json.loads(s[6])["slots"], "free": [[0]]}),
+             _meta(s, slots={**json.loads(s[6])["slots"], "order": [[0, 1]]})],
+        r"^state: meta says evicted=True for method='full', which never evicts$":
+            [_meta(s, config={**json.loads(s[6])["config"], "method": "full"})],
+    }
+    for message, states in bad.items():
+        for st in states:
+            with pytest.raises(ValueError, match=message):
+                QFiltersKVCache.from_state(st)
+    with pytest.raises(ValueError, match=long):
+        QuantizedQFiltersKVCache.from_state(s)
+    q = QuantizedQFiltersKVCache(KVCacheConfig(method="l2norm", qfilters_budget=12), bits=8, group_size=32)
+    q.update_and_fetch(mx.zeros((1, H_KV, 3, 64)), mx.zeros((1, H_KV, 3, 64)))
+    with pytest.raises(ValueError, match=r"^state: kv_bits=8 was saved by another cache class than "
+                                         r"QFiltersKVCache \(QuantizedQFiltersKVCache stores kv_bits caches\)$"):
+        QFiltersKVCache.from_state(q.state[:7])
+
+
+def test_a_saved_filters_path_is_kept_when_the_file_exists_and_dropped_when_it_moved(tmp_path):
+    s = _state()
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(b"")  # (only its existence is read)
+    cfg = json.loads(s[6])["config"]
+    kept = QFiltersKVCache.from_state(_meta(s, config={**cfg, "qfilters_filters": str(path)}))
+    assert kept.config.qfilters_filters == str(path)
+    moved = QFiltersKVCache.from_state(_meta(s, config={**cfg, "qfilters_filters": str(tmp_path / "gone")}))
+    assert moved.config.qfilters_filters is None
+    np.testing.assert_array_equal(np.array(moved.state[0]), np.array(s[0]))
