@@ -186,6 +186,9 @@ def _meta(state, **changes):
 def test_malformed_states_are_refused_naming_the_cause():
     from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
 
+    empty = QFiltersKVCache(KVCacheConfig(method="l2norm", qfilters_budget=12)).state
+    assert empty[:4] == (None,) * 4  # an empty cache saves no rows, and loads again
+    assert QFiltersKVCache.from_state(empty).empty()
     s = _state()
     assert json.loads(s[6])["slots"] is not None  # saved mid-decode: a slot layout
     short = r"^state must be \(keys, values, scores, positions, filter, queries, meta\)$"
