@@ -87,6 +87,8 @@ def test_what_it_does_not_cover_is_refused():
     for bad in (0, 30):
         with pytest.raises(ValueError, match="prefix"):
             simulated_nll(model, list(range(30)), MaskedArm(cfg), bad)
+    with pytest.raises(ValueError, match="full_cache_nll"):
+        MaskedArm(replace(cfg, method="full"))
     with pytest.raises(ValueError, match="streaming mode"):
         MaskedArm(replace(cfg, mode=CompressOnce(0.5)))
     with pytest.raises(ValueError, match="filters="):

@@ -10,7 +10,8 @@ Token ``t``'s own keys, at every layer, are computed from what the cache held at
 So one teacher-forced forward pass whose attention at each layer and KV head is masked
 to those sets gives the same per-token NLLs as :func:`.perplexity.streaming_nll` fed
 token by token (``prefix`` tokens first in one call, then one at a time), up to the
-order of floating-point sums, at the cost of one prefill instead of ``T`` decode steps.
+order of floating-point sums (which can flip exactly or nearly tied scores, such as the L2
+norms of a repeated token), at the cost of one prefill instead of ``T`` decode steps.
 
 Not covered: filters estimated online (``qfilters_calib_tokens`` first keys or queries:
 the scores then change at calibration), compress-once, quantized storage.
@@ -42,6 +43,10 @@ class MaskedArm:
             key's score at insertion (higher is kept); ``None``: the config's own method
             (:func:`~qfilters_mlx.cache.kv_cache.insertion_scores`, with ``filters[layer]``).
         filters: ``[n_layers, H_kv, D]`` for ``method="qfilters"`` with ``score=None``.
+
+    Raises:
+        ValueError: a compress-once config, ``method="full"`` (nothing to simulate), or
+            ``method="qfilters"`` with neither ``score`` nor ``filters``.
     """
 
     config: object
@@ -52,6 +57,8 @@ class MaskedArm:
         c = self.config
         if c.compress_once:
             raise ValueError("simulated_nll covers the streaming mode only")
+        if c.method == "full":
+            raise ValueError("method='full' evicts nothing: use evaluation.perplexity.full_cache_nll")
         if self.score is None and c.method == "qfilters" and self.filters is None:
             raise ValueError("method='qfilters' without score= needs filters= (fixed at insertion: "
                              "online filters are not covered)")
