@@ -3,7 +3,7 @@
 Every arm is evaluated by streaming eviction simulated in one forward pass per (arm, budget,
 segment) (:mod:`qfilters_mlx.evaluation.simulate`: per-layer, per-KV-head attention masks of
 the kept sets; the same per-token NLLs as feeding the caches token by token, tested, and the
-StreamingLLM / calibrated / per-head cells reproduce ``eval_segments_{a,b}.json``). Protocol of
+StreamingLLM and calibrated cells reproduce ``eval_segments_{a,b}.json``). Protocol of
 ``qfilters-mlx eval --parts segments``: 128-token prefix, 2,048 scored tokens, 4 sinks, budgets
 64-512, gap ratio to StreamingLLM with a 95% moving-block bootstrap interval.
 
@@ -127,7 +127,7 @@ def masked_arm(arm: str, budget: int, hd: int, filters, stats) -> tuple[MaskedAr
         recent = fractions[window]  # None: the streaming mode's default, budget // 2
     cfg = KVCacheConfig(method="qfilters", head_dim=hd, qfilters_budget=budget, qfilters_n_sink=N_SINK,
                         qfilters_recent=recent)
-    desc.update(method="qfilters", recent=cfg.qfilters_recent if recent is None else "per head")
+    desc.update(method="qfilters", recent="per head" if arm == "qfilters-perhead" else cfg.qfilters_recent)
     if name == "qfilters-calibrated":
         return MaskedArm(cfg, filters=filters), desc
     return MaskedArm(cfg, score=scorer(name, filters, stats, budget)), desc

@@ -185,8 +185,9 @@ def markdown(results: dict) -> str:
     """The whole report: commands, table, every non-killed mutant's verdict grouped by test / reason."""
     out = ["# Mutation check (mutmut 3.8.1): the eviction core", "", "Commands (from the repository root):", ""]
     out += [f"    {c}" for c in results["commands"]]
-    out += ["    python tools/mutation.py ... --resume --recheck   # per work dir: survivors, timeouts, crashes",
-            "    python tools/mutation_report.py", "", table(results),
+    out += ["    python tools/mutation.py ... --resume --recheck [TEST ...]   # per work dir: survivors, timeouts, crashes",
+            "    python tools/mutation_report.py --workdir " + " ".join(results.get("workdirs", [])), "",
+            table(results),
             "Score = killed / (checked - equivalent); checked = mutants mutmut ran. mutmut's score = "
             "(killed + timeout) / checked, before the recheck. Below: every mutant mutmut did not count "
             "as killed (survived, timeout, suspicious = crashed, no tests) and what became of it.", ""]
@@ -216,6 +217,7 @@ def main() -> int:
     modules, survivors = {}, []
     verdicts([load_run(Path(w)) for w in a.workdir], equivalents, modules, survivors)
     results = {"commands": [RUNS.get(w, f"python tools/mutation.py --workdir {w} ...") for w in a.workdir],
+               "workdirs": list(a.workdir),
                "score": "killed / (checked - equivalent); checked: mutants mutmut ran",
                "modules": modules, "survivors": survivors}
     Path(a.out + ".json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")

@@ -743,3 +743,27 @@ def test_insertion_scores_without_a_score_are_float32_zeros(method):
     got = insertion_scores(method, k, None)
     assert got.dtype == mx.float32
     np.testing.assert_array_equal(np.array(got), np.zeros((2, 3, 5), np.float32))
+
+
+@pytest.mark.parametrize("n", [5, 16, 40])
+def test_the_filter_estimator_factors_on_the_cpu_stream_and_decomposes_at_most_d_by_d(n, monkeypatch):
+    """The estimator's QR and SVD run on the CPU stream (MLX has them only there: on a GPU device
+    the default stream refuses them), and for more rows than the width the SVD sees the
+    ``[G, D, D]`` factor R, never the ``[G, N, D]`` sample (MLX's SVD builds ``[N, N]``)."""
+    from qfilters_mlx.backends import reference
+
+    calls = []
+    for name in ("qr", "svd"):
+        real = getattr(mx.linalg, name)
+
+        def spy(a, *args, _real=real, _name=name, **kw):
+            calls.append((_name, tuple(a.shape), kw.get("stream")))
+            return _real(a, *args, **kw)
+
+        monkeypatch.setattr(mx.linalg, name, spy)
+    x = mx.array(np.random.default_rng(n).standard_normal((2, n, 16)).astype(np.float32))
+    u = reference._top_singular_oriented(x)
+    want = [("qr", (2, n, 16), mx.cpu), ("svd", (2, 16, 16), mx.cpu)] if n > 16 else [("svd", (2, n, 16), mx.cpu)]
+    assert calls == want
+    v = np.linalg.svd(np.array(x, dtype=np.float64))[2][:, 0]  # numpy's top right singular vector
+    np.testing.assert_allclose(np.abs((np.array(u) * v).sum(-1)), 1.0, atol=1e-5)

@@ -586,6 +586,27 @@ def test_a_trim_back_into_calibration_waits_for_the_next_calls_queries_only():
     np.testing.assert_array_equal(np.array(c.state[5]), np.array(fresh.state[5]))
 
 
+def test_queries_of_no_tokens_after_a_trim_to_nothing_keep_nothing():
+    """A query-calibrated cache trimmed back to no tokens before any queries arrived, then
+    shown an empty block of queries: it keeps no queries (``None``, as a new cache), not an
+    empty array, and calibrates from the next calls' queries as a new cache does."""
+    cfg = KVCacheConfig(method="qfilters", qfilters_budget=16, qfilters_calib_tokens=4,
+                        qfilters_filter_source="queries", qfilters_backend="reference")
+    rng = np.random.default_rng(43)
+    k = mx.array(rng.standard_normal((1, H, 6, D)).astype(np.float32))
+    q = mx.array(rng.standard_normal((1, 2 * H, 6, D)).astype(np.float32))
+    c, fresh = QFiltersKVCache(cfg), QFiltersKVCache(cfg)
+    c.queries_observed = fresh.queries_observed = True  # as inside observe_queries
+    c.update_and_fetch(k[:, :, :3], k[:, :, :3])
+    assert c.trim(3) == 3 and c.offset == 0
+    c.observe_queries(q[:, :, :0])
+    assert c.state[5] is None
+    for x in (c, fresh):
+        x.update_and_fetch(k, k)
+        x.observe_queries(q)
+    np.testing.assert_array_equal(np.array(c.filter), np.array(fresh.filter))
+
+
 def test_query_calibrated_cache_refuses_updates_outside_observe_queries():
     """README: a cache estimating its filter from queries must run inside observe_queries;
     a fresh one (never observed) raises before storing anything."""

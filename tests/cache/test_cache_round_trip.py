@@ -227,6 +227,12 @@ def test_a_saved_filters_path_is_kept_when_the_file_exists_and_dropped_when_it_m
     cfg = json.loads(s[6])["config"]
     kept = QFiltersKVCache.from_state(_meta(s, config={**cfg, "qfilters_filters": str(path)}))
     assert kept.config.qfilters_filters == str(path)
+    assert json.loads(kept.state[6])["config"]["qfilters_filters"] == str(path)  # a path is saved
+    f = mx.array(np.random.default_rng(6).standard_normal((1, H_KV, D)).astype(np.float32))
+    arr = QFiltersKVCache(KVCacheConfig(head_dim=D, qfilters_budget=12, qfilters_filters=f), filters=f[0])
+    arr.update_and_fetch(mx.zeros((1, H_KV, 3, D)), mx.zeros((1, H_KV, 3, D)))
+    assert json.loads(arr.state[6])["config"]["qfilters_filters"] is None  # an array: saved as `filter`
+    assert QFiltersKVCache.from_state(arr.state).config.qfilters_filters is None
     moved = QFiltersKVCache.from_state(_meta(s, config={**cfg, "qfilters_filters": str(tmp_path / "gone")}))
     assert moved.config.qfilters_filters is None
     np.testing.assert_array_equal(np.array(moved.state[0]), np.array(s[0]))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from helpers.oracle import np_keep_rows
+from helpers.oracle import np_keep, np_keep_rows
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache, compress_caches
 from qfilters_mlx.config import CompressOnce
 
@@ -443,3 +443,30 @@ def test_a_trim_after_growth_was_evicted_again_is_refused_without_a_journal():
     with pytest.raises(ValueError, match="cannot rewind 1 tokens after an eviction"):
         c.trim(1)
     assert c.offset == 25 and all(np.array_equal(a, np.array(b)) for a, b in zip(before, c.state[:4]))
+
+
+def test_growth_at_its_limit_decodes_in_slot_mode():
+    """Compress-once growth up to ``K + growth`` appends; at the limit each token is one slot-mode
+    step (``K + growth + 1`` rows, one of them the free slot: no buffer regrowth and
+    re-eviction per token), keeping the streaming rule's set (numpy) over the compressed rows
+    and the tokens since."""
+    k, v, f = _data(40, seed=8)
+    c = _new_cache(f, CompressOnce(growth=3, at="manual"), qfilters_budget=10, qfilters_recent=2)
+    _feed(c, k[:, :, :20], v[:, :, :20], 20)
+    assert c.compress(budget=10) == 10
+    kept = np.array(c.kept_positions())
+    scores = np.einsum("bhtd,hd->bht", k.astype(np.float64), f.astype(np.float64))
+    for t in range(20, 30):
+        c.update_and_fetch(mx.array(k[:, :, t:t + 1]), mx.array(v[:, :, t:t + 1]))
+        if t - 19 <= 3:
+            assert c._free is None and c.size() == 10 + t - 19
+            kept = np.concatenate([kept, np.full((B, H, 1), t)], axis=2)
+            continue
+        assert c._free is not None and c.size() == 13 and c.keys.shape[2] == 14  # slot mode
+        got = np.array(c.kept_positions())
+        for b in range(B):
+            for h in range(H):
+                cand = np.append(kept[b, h], t)  # what the cache held, and the new token
+                keep = np_keep(scores[b, h, cand], 13, 0, 2)
+                np.testing.assert_array_equal(got[b, h], cand[keep])
+        kept = got

@@ -19,6 +19,7 @@ HD = 16  # tiny_llama: hidden 144 / 9 query heads
 
 @pytest.mark.parametrize("budget,n_sink,recent,prefix", [
     (8, 2, (0, 3, 5), 1), (8, 0, (2, 2, 2), 5), (12, 4, (0, 0, 8), 12), (6, 1, (5, 0, 1), 3),
+    (8, 2, (0, 3, 5), 20),  # a first call longer than the budget (the evaluation's case)
 ])
 def test_keep_masks_are_the_kept_set_after_every_step(budget, n_sink, recent, prefix):
     rng = np.random.default_rng(budget + prefix)
@@ -52,7 +53,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("prefix", [1, 10])
+@pytest.mark.parametrize("prefix", [1, 10, 30])
 def test_simulated_nll_equals_the_caches_fed_token_by_token(name, prefix):
     # (tie-free scores: l2norm ties repeated tokens exactly at layer 0, and rounding, which
     # differs between one pass and decode steps, may then pick either)
@@ -93,6 +94,25 @@ def test_what_it_does_not_cover_is_refused():
         MaskedArm(replace(cfg, mode=CompressOnce(0.5)))
     with pytest.raises(ValueError, match="filters="):
         MaskedArm(KVCacheConfig(method="qfilters", head_dim=HD, qfilters_budget=16))
+
+
+def test_keep_masks_refuse_windows_that_do_not_fit():
+    s = np.zeros((2, 10), np.float32)
+    for budget, n_sink, recent, prefix in [(8, 2, [0, 7], 1), (8, 0, [1], 1), (8, 0, [1, -1], 1),
+                                           (8, 0, [1, 1], 0)]:
+        with pytest.raises(ValueError, match="keep_masks: need 2 windows"):
+            keep_masks(s, budget, n_sink, recent, prefix)
+
+
+def test_a_layer_with_a_mask_of_its_own_is_refused(monkeypatch):
+    import mlx_lm.models.llama as llama
+
+    model = tiny_llama(seed=1)
+    monkeypatch.setattr(llama, "create_attention_mask",
+                        lambda h, cache=None, **kw: mx.ones((h.shape[1], h.shape[1]), dtype=mx.bool_))
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
+    with pytest.raises(ValueError, match="layer 0 attends with its own mask"):
+        simulated_nll(model, list(range(30)), MaskedArm(cfg), 4)
 
 
 def test_attention_outside_mlx_lm_s_sdpa_raises(monkeypatch):

@@ -92,8 +92,14 @@ def keep_masks(scores: np.ndarray, budget: int, n_sink: int, recent, prefix: int
         budget, n_sink: tokens kept per head, leading positions never evicted.
         recent: ``H`` ints, trailing positions never evicted per head.
         prefix: tokens of the first call (``>= 1``).
+
+    Raises:
+        ValueError: not ``H`` windows, ``n_sink + recent[h] > budget``, or ``prefix < 1``.
     """
     H, T = scores.shape
+    if len(recent) != H or prefix < 1 or any(n_sink + int(r) > budget or int(r) < 0 for r in recent):
+        raise ValueError(f"keep_masks: need {H} windows in [0, budget - n_sink] and prefix >= 1 "
+                         f"(budget {budget}, n_sink {n_sink}, recent {list(recent)}, prefix {prefix})")
     s = np.where(np.isnan(scores), -np.inf, scores)
     t = np.arange(T)[:, None]
     j = np.arange(T)[None, :]
@@ -149,6 +155,10 @@ def _masked_attention():
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if not isinstance(cache, _OnePass):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+            # (a sliding-window or padded layer: its own mask would be replaced silently)
+            raise ValueError(f"simulated_nll: layer {cache.layer} attends with its own mask (a "
+                             "sliding window?): only causal full-attention layers are simulated")
         groups = queries.shape[1] // keys.shape[1]  # GQA: query head h reads KV head h // groups
         m = mx.repeat(cache.mask, groups, axis=1) if groups > 1 else cache.mask
         cache.attended = True
@@ -180,7 +190,8 @@ def simulated_nll(model, tokens, arm: MaskedArm, prefix: int) -> list[float]:
         prefix: tokens of the first call, ``1 <= prefix < len(tokens)``.
 
     Raises:
-        ValueError: ``prefix`` out of range; RuntimeError: some layer's attention did not go
+        ValueError: ``prefix`` out of range; a layer attending with a mask of its own (sliding
+            window) instead of the causal one. RuntimeError: some layer's attention did not go
             through the masked path (its mask would be silently causal).
     """
     toks = mx.array(tokens)
