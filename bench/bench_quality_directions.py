@@ -12,7 +12,9 @@ the filters file's calibration text, the first 4,096 tokens of
 :func:`qfilters_mlx.assets.prompts.calibration_text`):
 
 * ``streaming_llm``; ``qfilters-calibrated@r1/2`` (the filters file, recent budget/2: the
-  library's default rule); ``qfilters-perhead`` (the file's per-head windows);
+  library's default rule); ``qfilters-perhead`` (the file's per-head windows, output rule);
+  ``qfilters-decoded`` (the same filters, windows chosen by the decoded loss:
+  ``bench/bench_decoded_windows.py``);
 * ``soft-recency-<beta>@r1/2``: ``<k, u> + beta * sigma_h * position`` (``sigma_h``: the std of
   the head's calibration projections): an exponential recency prior in the attention's own
   units on top of the hard window, still one score per key at insertion;
@@ -48,11 +50,11 @@ from qfilters_mlx.evaluation.segment_report import segment_markdown
 from qfilters_mlx.evaluation.segments import segment_tokens
 from qfilters_mlx.evaluation.simulate import MaskedArm, simulated_nll
 from qfilters_mlx.filters.calibration import load_filters
-from qfilters_mlx.filters.capture import capture_attention
+from qfilters_mlx.filters.window_capture import keys_and_queries
 from qfilters_mlx.filters.windows import load_windows
-from qfilters_mlx.model_info import budgeted_slots, default_caches, walk
 
 FILTERS = common.RESULTS / "smollm2_filters.safetensors"
+DECODED = common.RESULTS / "smollm2_filters_decoded.safetensors"  # bench_decoded_windows.py
 ARMS = ("streaming_llm,qfilters-calibrated@r1/2,qfilters-perhead,soft-recency-0.003@r1/2,"
         "query-mean@r1/2,expected-attention@r1/2")
 PREFIX, SCORED, N_SINK, CALIB_TOKENS = 128, 2048, 4, 4096
@@ -64,24 +66,18 @@ def calibration_stats(model, tokenizer, filters) -> list[tuple]:
     projections on the filter."""
     text, _ = calibration_text()
     ids = tokenizer.encode(text, add_special_tokens=False)[:CALIB_TOKENS]
-    stats = {}
-
-    def grab(layer, queries, keys):
-        q = queries[0].astype(mx.float32)  # [H_q, T, D]
-        k = keys[0].astype(mx.float32)  # [H_kv, T, D]
+    (layers,) = keys_and_queries(model, [ids])
+    stats = []
+    for layer, (keys, queries, _) in enumerate(layers):
+        q, k = mx.array(queries), mx.array(keys)  # [H_q, T, D], [H_kv, T, D] float32
         H, D = k.shape[0], k.shape[2]
         g = q.reshape(H, -1, D)  # query head h belongs to KV head h // (H_q / H_kv)
         mu = g.mean(axis=1)
         c = g - mu[:, None]
         proj = (k @ filters[layer][:, :, None])[..., 0]
-        stats[layer] = (mu, c.transpose(0, 2, 1) @ c / g.shape[1], mx.sqrt(proj.var(axis=1)))
-        mx.eval(stats[layer])
-
-    caches = default_caches(model)
-    slot = dict(walk(caches))
-    with capture_attention(model, grab, caches=[slot[s.path] for s in budgeted_slots(model)]):
-        model(mx.array(ids)[None], cache=caches)
-    return [stats[i] for i in range(len(stats))]
+        stats.append((mu, c.transpose(0, 2, 1) @ c / g.shape[1], mx.sqrt(proj.var(axis=1))))
+        mx.eval(stats[-1])
+    return stats
 
 
 def scorer(name: str, filters, stats, budget: int):
@@ -117,8 +113,9 @@ def masked_arm(arm: str, budget: int, hd: int, filters, stats) -> tuple[MaskedAr
     if arm == "streaming_llm":
         cfg = KVCacheConfig(method="streaming_llm", head_dim=hd, qfilters_budget=budget)
         return MaskedArm(cfg), {**desc, "method": "streaming_llm"}
-    if arm == "qfilters-perhead":
-        name, recent = "qfilters-calibrated", load_windows(str(FILTERS), budget, N_SINK)
+    if arm in ("qfilters-perhead", "qfilters-decoded"):
+        path = FILTERS if arm == "qfilters-perhead" else DECODED
+        name, recent = "qfilters-calibrated", load_windows(str(path), budget, N_SINK)
     else:
         name, window = arm.split("@")
         fractions = {"r0": 0, "r1/4": budget // 4, "r1/2": None, "r3/4": 3 * budget // 4}
@@ -127,7 +124,8 @@ def masked_arm(arm: str, budget: int, hd: int, filters, stats) -> tuple[MaskedAr
         recent = fractions[window]  # None: the streaming mode's default, budget // 2
     cfg = KVCacheConfig(method="qfilters", head_dim=hd, qfilters_budget=budget, qfilters_n_sink=N_SINK,
                         qfilters_recent=recent)
-    desc.update(method="qfilters", recent="per head" if arm == "qfilters-perhead" else cfg.qfilters_recent)
+    per_head = arm in ("qfilters-perhead", "qfilters-decoded")
+    desc.update(method="qfilters", recent="per head" if per_head else cfg.qfilters_recent)
     if name == "qfilters-calibrated":
         return MaskedArm(cfg, filters=filters), desc
     return MaskedArm(cfg, score=scorer(name, filters, stats, budget)), desc

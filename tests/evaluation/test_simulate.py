@@ -12,7 +12,7 @@ from helpers.query_models import tiny_llama
 from qfilters_mlx.cache.kv_cache import build_cache
 from qfilters_mlx.config import CompressOnce, KVCacheConfig
 from qfilters_mlx.evaluation.perplexity import full_cache_nll, streaming_nll
-from qfilters_mlx.evaluation.simulate import MaskedArm, keep_masks, simulated_nll
+from qfilters_mlx.evaluation.simulate import MaskedArm, keep_masks, simulated_nll, simulated_pass
 
 HD = 16  # tiny_llama: hidden 144 / 9 query heads
 
@@ -125,3 +125,53 @@ def test_attention_outside_mlx_lm_s_sdpa_raises(monkeypatch):
     cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
     with pytest.raises(RuntimeError, match="layers \\[0, 1\\]"):
         simulated_nll(model, list(range(30)), MaskedArm(cfg), 4)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_pass_from_a_recorded_layer_equals_the_whole_pass(name):
+    cfg, filters = CONFIGS[name]
+    model = tiny_llama(seed=1)
+    tokens = np.random.default_rng(2).integers(0, 101, 40).tolist()
+    arm = MaskedArm(cfg, filters=filters)
+    whole, outs = simulated_pass(model, tokens, arm, 6, record=[0, 1])
+    assert whole == simulated_nll(model, tokens, arm, 6)
+    assert sorted(outs) == [0, 1] and outs[1].shape == (1, 39, 144)
+    nll, o = simulated_pass(model, tokens, arm, 6, start=1, hidden=outs[0], record=[1])
+    assert nll == whole and mx.array_equal(o[1], outs[1])
+    # what the replayed layer returns is what layer 1 reads: another hidden state, other NLLs
+    other, _ = simulated_pass(model, tokens, arm, 6, start=1, hidden=outs[0] * 0.5)
+    assert np.abs(np.array(other) - np.array(whole)).max() > 1e-3
+    assert all(a is b for a, b in zip(model.layers, model.model.layers))  # layers put back
+
+
+def test_a_pass_from_a_layer_refuses_what_does_not_fit():
+    model = tiny_llama(seed=1)
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
+    h = mx.zeros((1, 29, 144))
+    for kw in ({"start": 1}, {"start": 0, "hidden": h}, {"start": 2, "hidden": h}, {"start": -1, "hidden": h}):
+        with pytest.raises(ValueError, match="start must be in"):
+            simulated_pass(model, list(range(30)), MaskedArm(cfg), 4, **kw)
+    for record in ([0], [2], [-1]):
+        with pytest.raises(ValueError, match="record: layers must be in"):
+            simulated_pass(model, list(range(30)), MaskedArm(cfg), 4, start=1, hidden=h, record=record)
+
+
+def test_a_model_whose_layers_list_is_a_copy_cannot_be_replayed():
+    model = tiny_llama(seed=1)
+
+    class Copying:  # a model whose ``layers`` is not the list its forward pass runs
+        def __init__(self, m):
+            self.m = m
+
+        @property
+        def layers(self):
+            return list(self.m.layers)
+
+        def __call__(self, *a, **k):
+            return self.m(*a, **k)
+
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
+    with pytest.raises(RuntimeError, match="did not run the layers of model.layers"):
+        simulated_pass(Copying(model), list(range(30)), MaskedArm(cfg), 4, start=1, hidden=mx.zeros((1, 29, 144)))
+    with pytest.raises(RuntimeError, match="did not run the layers of model.layers"):
+        simulated_pass(Copying(model), list(range(30)), MaskedArm(cfg), 4, record=[1])

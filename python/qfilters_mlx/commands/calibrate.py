@@ -52,9 +52,12 @@ def add_parser(sub) -> None:
                      help="tokens per forward pass of the window search (the same calibration tokens; "
                           f"default {DEFAULT_WINDOW_CHUNK})")
     cal.add_argument("--window-n-sink", type=int, default=4, help="sinks the windows are calibrated for")
-    cal.add_argument("--window-rule", choices=("output", "mass"), default="output",
-                     help="what a window is chosen by: least attention-output error (default) or most "
-                          "captured attention mass (the first rule, kept for comparison)")
+    cal.add_argument("--window-rule", choices=("output", "mass", "decoded"), default="output",
+                     help="what a window is chosen by: least attention-output error (default), most "
+                          "captured attention mass (the first rule, kept for comparison), or least NLL of "
+                          "the first --window-chunk tokens decoded with simulated eviction (one window per "
+                          "group of 5 layers, searched bottom-up; about 10 minutes per budget for SmolLM2 "
+                          "on 2 CPU cores)")
     cal.add_argument("--filters-from", default=None, metavar="FILE",
                      help="take the filters from this earlier `calibrate` output (same model, checked) "
                           "instead of estimating them again; only the per-head windows are computed")
@@ -111,6 +114,55 @@ def run(parser, args, blas_library: str | None = None) -> int:
         return _calibrate(parser, args, text, source, model_path, world, budgets)
 
 
+def _measured_windows(parser, args, model, ids, filters, budgets: tuple):
+    """Windows by a full-cache measure (``--window-rule output|mass``), as
+    :func:`~qfilters_mlx.filters.windows.window_tensors` stores them; the summary on stderr."""
+    from qfilters_mlx.filters.window_capture import keys_and_queries
+    from qfilters_mlx.filters.windows import calibrate_windows, window_tensors
+
+    wchunks = [ids[i:i + args.window_chunk] for i in range(0, len(ids), args.window_chunk)]
+    try:
+        w, summary = calibrate_windows(keys_and_queries(model, wchunks), filters,
+                                       n_sink=args.window_n_sink, budgets=budgets, rule=args.window_rule)
+    except ValueError as err:
+        parser.error(f"--window-budgets: {err}")
+    for b in budgets:
+        m = summary[b]
+        print(f"  budget {b}: mean window {m['mean_window']:.1f} (0: {m['share_zero']:.0%} of heads, "
+              f"budget - n_sink: {m['share_full']:.0%}); captured attention mass {m['mass_chosen']:.4f} "
+              f"vs {m['mass_half']:.4f} at budget/2, {m['mass_streaming']:.4f} StreamingLLM; "
+              f"attention-output error {m['output_chosen']:.4g} vs {m['output_half']:.4g}, "
+              f"{m['output_streaming']:.4g}", file=sys.stderr)
+    return window_tensors(w, budgets, args.window_n_sink, summary, rule=args.window_rule)
+
+
+def _decoded_windows(parser, args, model, ids, filters, budgets: tuple):
+    """Windows by the decoded loss (``--window-rule decoded``:
+    :func:`~qfilters_mlx.filters.decoded_windows.search_windows` on ``ids``), as
+    :func:`~qfilters_mlx.filters.windows.window_tensors` stores them; progress on stderr."""
+    import numpy as np
+
+    from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, search_windows
+    from qfilters_mlx.filters.windows import window_tensors
+
+    if len(ids) <= DECODED_PREFIX + 1:
+        parser.error(f"--window-rule decoded: needs more than {DECODED_PREFIX + 1} calibration tokens "
+                     f"(a {DECODED_PREFIX}-token first call, then scored tokens), got {len(ids)}")
+    rows, summary = [], {}
+    for b in budgets:
+        try:
+            w, trace = search_windows(model, ids, filters, b, args.window_n_sink,
+                                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except (ValueError, RuntimeError) as err:  # a model the simulation cannot mask, named
+            parser.error(f"--window-rule decoded: {err}")
+        rows.append(w)
+        summary[b] = {"rule": "decoded", "mean_window": float(w.mean()), "start_nll": trace["start_nll"],
+                      "nll": trace["nll"], "groups": [g["chosen"] for g in trace["groups"]]}
+        print(f"  budget {b}: mean NLL {trace['start_nll']:.4f} at the default window -> "
+              f"{trace['nll']:.4f}; windows per group of layers {summary[b]['groups']}", file=sys.stderr)
+    return window_tensors(np.stack(rows), budgets, args.window_n_sink, summary, rule="decoded")
+
+
 def _calibrate(parser, args, text, source, model_path, world, budgets: tuple) -> int:
     """Load (sharded over the ranks under ``mlx.launch``), calibrate, write (rank 0)."""
     from mlx_lm import load
@@ -157,25 +209,12 @@ def _calibrate(parser, args, text, source, model_path, world, budgets: tuple) ->
     elif budgets:
         import numpy as np
 
-        from qfilters_mlx.filters.window_capture import keys_and_queries
-        from qfilters_mlx.filters.windows import calibrate_windows, window_tensors
-
         print("Choosing per-head recent windows (budgets "
-              f"{', '.join(map(str, budgets))})...", file=sys.stderr, flush=True)
-        wchunks = [ids[i:i + args.window_chunk] for i in range(0, len(ids), args.window_chunk)]
-        try:
-            w, summary = calibrate_windows(keys_and_queries(model, wchunks), np.array(filters),
-                                           n_sink=args.window_n_sink, budgets=budgets, rule=args.window_rule)
-        except ValueError as err:
-            parser.error(f"--window-budgets: {err}")
-        windows = window_tensors(w, budgets, args.window_n_sink, summary, rule=args.window_rule)
-        for b in budgets:
-            m = summary[b]
-            print(f"  budget {b}: mean window {m['mean_window']:.1f} (0: {m['share_zero']:.0%} of heads, "
-                  f"budget - n_sink: {m['share_full']:.0%}); captured attention mass {m['mass_chosen']:.4f} "
-                  f"vs {m['mass_half']:.4f} at budget/2, {m['mass_streaming']:.4f} StreamingLLM; "
-                  f"attention-output error {m['output_chosen']:.4g} vs {m['output_half']:.4g}, "
-                  f"{m['output_streaming']:.4g}", file=sys.stderr)
+              f"{', '.join(map(str, budgets))}, rule {args.window_rule})...", file=sys.stderr, flush=True)
+        if args.window_rule == "decoded":
+            windows = _decoded_windows(parser, args, model, ids[:args.window_chunk], np.array(filters), budgets)
+        else:
+            windows = _measured_windows(parser, args, model, ids, np.array(filters), budgets)
     if args.filters_from:
         info["filters_from"] = args.filters_from
     save_filters(args.out, filters, model, windows=windows, calibration_text=source,

@@ -28,7 +28,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["MaskedArm", "keep_masks", "simulated_nll"]
+__all__ = ["MaskedArm", "keep_masks", "simulated_nll", "simulated_pass"]
 
 
 @dataclass(frozen=True)
@@ -194,17 +194,87 @@ def simulated_nll(model, tokens, arm: MaskedArm, prefix: int) -> list[float]:
             window) instead of the causal one. RuntimeError: some layer's attention did not go
             through the masked path (its mask would be silently causal).
     """
+    return simulated_pass(model, tokens, arm, prefix)[0]
+
+
+class _Replay:
+    """Stand-in for a layer below ``start``: returns the hidden state recorded for the layer
+    input at ``start`` (every layer below it is skipped), other attributes are the layer's."""
+
+    def __init__(self, layer, hidden):
+        self._layer, self._hidden, self.called = layer, hidden, False
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+    def __call__(self, h, *args, **kwargs):
+        self.called = True
+        return self._hidden
+
+
+class _Record:
+    """Stand-in for a layer whose output is kept (``out``); otherwise the layer itself."""
+
+    def __init__(self, layer):
+        self._layer, self.out = layer, None
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+    def __call__(self, *args, **kwargs):
+        self.out = self._layer(*args, **kwargs)
+        return self.out
+
+
+def simulated_pass(model, tokens, arm: MaskedArm, prefix: int, *, start: int = 0, hidden=None,
+                   record=()) -> tuple[list[float], dict]:
+    """:func:`simulated_nll` from layer ``start`` on, keeping the outputs of the layers in
+    ``record``: a search that changes the windows of layer ``start`` and up reruns only those
+    layers. The layers below ``start`` are not run: ``hidden`` (their last one's output,
+    ``[1, T - 1, d_model]``, as an earlier pass recorded it under the same rule for those
+    layers) stands for them.
+
+    Returns:
+        ``(nll, outputs)``: the per-token NLLs (nats) of ``tokens[prefix:]`` and
+        ``{layer: [1, T - 1, d_model]}`` for every layer in ``record``.
+
+    Raises:
+        ValueError: what :func:`simulated_nll` raises; ``start`` outside ``[0, n_layers)``,
+            ``start > 0`` without ``hidden``, a ``record`` layer below ``start`` or outside the
+            model. RuntimeError: also when the model does not run ``model.layers`` in order
+            (the replayed layers were not called).
+    """
     toks = mx.array(tokens)
     T = toks.shape[0]
     if not 1 <= prefix < T:
         raise ValueError(f"prefix must be in [1, {T - 1}], got {prefix}")
-    caches = [_OnePass(i, arm, prefix) for i in range(len(model.layers))]
-    with _masked_attention():
-        logits = model(toks[None, :-1], cache=caches)[0].astype(mx.float32)
-    missed = [i for i, c in enumerate(caches) if not c.attended]
+    layers = model.layers
+    n = len(layers)
+    record = sorted(set(int(r) for r in record))
+    if not 0 <= start < n or (start > 0) != (hidden is not None):
+        raise ValueError(f"start must be in [0, {n}) and hidden given exactly when start > 0 "
+                         f"(start {start}, hidden {'given' if hidden is not None else 'None'})")
+    if record and not start <= record[0] <= record[-1] < n:
+        raise ValueError(f"record: layers must be in [{start}, {n}), got {record}")
+    caches = [_OnePass(i, arm, prefix) for i in range(n)]
+    originals = list(layers)
+    replayed = [_Replay(layers[i], hidden) for i in range(start)]
+    recorded = {i: _Record(layers[i]) for i in record}
+    layers[:start] = replayed
+    for i, r in recorded.items():
+        layers[i] = r
+    try:
+        with _masked_attention():
+            logits = model(toks[None, :-1], cache=caches)[0].astype(mx.float32)
+    finally:
+        layers[:] = originals
+    if not all(r.called for r in replayed) or any(r.out is None for r in recorded.values()):
+        raise RuntimeError("simulated_pass: the model did not run the layers of model.layers (layers "
+                           "below start cannot be replayed, outputs not recorded)")
+    missed = [i for i, c in enumerate(caches[start:], start) if not c.attended]
     if missed:
         raise RuntimeError(f"simulated_nll: the attention of layers {missed} did not go through "
                            "mlx-lm's scaled_dot_product_attention with their cache (not maskable)")
     lp = logits[prefix - 1:]
     nll = mx.logsumexp(lp, axis=-1) - mx.take_along_axis(lp, toks[prefix:, None], axis=-1)[:, 0]
-    return nll.tolist()
+    return nll.tolist(), {i: r.out for i, r in recorded.items()}

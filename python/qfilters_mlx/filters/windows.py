@@ -40,6 +40,9 @@ RULES = {
               f"{_KEPT}, against full attention; ties to the larger r",
     "mass": f"argmax over {_GRID} of the mean attention mass of the next query captured by {_KEPT}; "
             "ties to the larger r",
+    "decoded": "greedy bottom-up search over groups of layers of the window (all KV heads of the group) "
+               "with the least mean teacher-forced NLL of calibration text under simulated streaming "
+               "eviction (qfilters_mlx.filters.decoded_windows); ties keep the start window",
 }
 """The selection rules, as stored in a filters file's ``recent_rule`` metadata."""
 
