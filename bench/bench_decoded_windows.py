@@ -9,7 +9,8 @@ Usage::
 
     python bench/bench_decoded_windows.py [--budgets 64,128,256,512] [--group 5]
 
-Writes ``bench/results/decoded_windows.json`` (windows and the search trace per budget) and,
+Writes ``bench/results/decoded_windows.json`` (windows and the search trace per budget), its
+table ``decoded_windows.md``, and,
 once every budget is searched, ``bench/results/smollm2_filters_decoded.safetensors`` (the
 filters of ``smollm2_filters.safetensors`` with these windows; evaluate with
 ``bench/bench_quality_directions.py --arms qfilters-decoded``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -37,6 +39,31 @@ DECODED = common.RESULTS / "smollm2_filters_decoded.safetensors"
 CALIB_TOKENS, SCORED, N_SINK = 4096, 2048, 4
 
 
+def write_markdown(out, results: dict) -> None:
+    """``out`` with ``.md``: the command and, per budget, the chosen window of each group of layers
+    and the search text's perplexity at the default window and after the search."""
+    st = results["settings"]
+    rows = []
+    for b, r in sorted(results["budgets"].items(), key=lambda kv: int(kv[0])):
+        tr = r["trace"]
+        groups = " / ".join(f"{g['chosen']}" for g in tr["groups"])
+        rows.append(f"| {b} | {tr['start']} | {groups} | {np.mean(r['windows']):.1f} | "
+                    f"{math.exp(tr['start_nll']):.3f} | {math.exp(tr['nll']):.3f} | {r['seconds'] / 60:.1f} |")
+    layers = ", ".join(f"{g['layers'][0]}-{g['layers'][1] - 1}"
+                       for g in next(iter(results["budgets"].values()))["trace"]["groups"])
+    out.with_suffix(".md").write_text(
+        "# Recent windows chosen by the decoded loss (SmolLM2-135M-Instruct)\n\n"
+        "Commands:\n\n" + "".join(f"    {c}\n" for c in results["commands"]) + "\n"
+        f"Search text: {st['search_text']} ({st['prefix']}-token first call, {st['scored']} scored tokens); "
+        f"filters `{st['filters']}`; {st['n_sink']} sinks; candidates: the default window (budget/2) and "
+        f"round(f x (budget - n_sink)) for f in {st['fractions']}; groups of {st['group']} layers "
+        f"({layers}), searched bottom-up. Perplexity: of the scored search tokens under simulated "
+        "streaming eviction (held-out results: `quality_directions.md`, arm `qfilters-decoded`).\n\n"
+        "| budget | default window | chosen window per group of layers | mean window | perplexity at the "
+        "default window | after the search | search minutes |\n|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budgets", type=common.int_list, default=[64, 128, 256, 512])
@@ -53,11 +80,10 @@ def main() -> int:
     results["settings"] = {"filters": FILTERS.name, "search_text": f"{source}, tokens {CALIB_TOKENS}.."
                            f"{CALIB_TOKENS + len(ids) - 1}", "prefix": DECODED_PREFIX, "scored": len(ids) - DECODED_PREFIX,
                            "n_sink": N_SINK, "group": a.group, "fractions": list(DECODED_FRACTIONS)}
-    results.setdefault("commands", [])
-    command = " ".join(["python bench/bench_decoded_windows.py", *sys.argv[1:]])
-    if command not in results["commands"]:
-        results["commands"].append(command)
     budgets = results.setdefault("budgets", {})
+    command = " ".join(["python bench/bench_decoded_windows.py", *sys.argv[1:]])
+    if any(str(b) not in budgets for b in a.budgets) and command not in results.setdefault("commands", []):
+        results["commands"].append(command)  # (a run that searches nothing only writes the files)
     for b in a.budgets:
         if str(b) in budgets:
             continue
@@ -75,6 +101,7 @@ def main() -> int:
                for i, b in enumerate(done)}
     save_filters(str(DECODED), filters, model, windows=window_tensors(windows, done, N_SINK, summary, rule="decoded"),
                  **{k: v for k, v in meta.items() if k.startswith("calibration")})
+    write_markdown(out, results)
     print(f"wrote {DECODED} (budgets {done})")
     return 0
 

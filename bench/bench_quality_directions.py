@@ -20,6 +20,10 @@ the filters file's calibration text, the first 4,096 tokens of
   units on top of the hard window, still one score per key at insertion;
 * ``query-mean@r1/2``: ``<k, mu_h>``, the mean post-RoPE query of the GQA group instead of its top
   singular direction;
+* ``pyramid-<alpha>@r1/2``: the calibrated filter with a budget per layer at the same total
+  (:func:`pyramid_budgets`: linear in depth, ``alpha > 0`` more for the lower layers as in
+  PyramidKV), each layer's recent window half its budget (simulated only: a cache takes one
+  budget);
 * ``expected-attention@r1/2``: ``log E[exp(q.k / sqrt(D))]`` for Gaussian queries ``N(mu_h,
   Sigma_h)``: ``mu_h.k / sqrt(D) + k^T Sigma_h k / (2 D)`` (the Gaussian query model of kvpress's
   ExpectedAttentionPress, with calibration statistics instead of the recent queries).
@@ -44,7 +48,7 @@ from mlx_lm import load
 
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import calibration_text, source_text
-from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.config import KVCacheConfig, default_recent
 from qfilters_mlx.evaluation.perplexity import full_cache_nll, perplexity
 from qfilters_mlx.evaluation.segment_report import segment_markdown
 from qfilters_mlx.evaluation.segments import segment_tokens
@@ -107,12 +111,30 @@ def scorer(name: str, filters, stats, budget: int):
     raise ValueError(f"unknown direction {name!r}")
 
 
+def pyramid_budgets(budget: int, n_layers: int, alpha: float) -> list[int]:
+    """Budgets per layer ``budget * (1 + alpha * (1 - 2 l / (L - 1)))`` rounded, summing to
+    ``n_layers * budget`` exactly (the same bytes as one budget everywhere): ``alpha > 0`` gives
+    the lower layers more (PyramidKV's shape), ``alpha < 0`` the upper ones."""
+    raw = [budget * (1 + alpha * (1 - 2 * i / (n_layers - 1))) for i in range(n_layers)]
+    out = [int(round(r)) for r in raw]
+    out[n_layers // 2] += n_layers * budget - sum(out)  # rounding, put in the middle layer
+    return out
+
+
 def masked_arm(arm: str, budget: int, hd: int, filters, stats) -> tuple[MaskedArm, dict]:
     """The :class:`MaskedArm` of ``arm`` at ``budget`` and its description for the tables."""
     desc = {"arm": arm, "budget": budget, "n_sink": N_SINK}
     if arm == "streaming_llm":
         cfg = KVCacheConfig(method="streaming_llm", head_dim=hd, qfilters_budget=budget)
         return MaskedArm(cfg), {**desc, "method": "streaming_llm"}
+    if arm.startswith("pyramid-"):
+        alpha = float(arm[len("pyramid-"):].split("@")[0])
+        budgets = pyramid_budgets(budget, len(filters), alpha)
+        windows = [[default_recent(b, N_SINK)] * filters.shape[1] for b in budgets]
+        cfg = KVCacheConfig(method="qfilters", head_dim=hd, qfilters_budget=max(budgets), qfilters_n_sink=N_SINK,
+                            qfilters_recent=windows)
+        return (MaskedArm(cfg, filters=filters, budgets=tuple(budgets)),
+                {**desc, "method": "qfilters", "recent": "budget/2 per layer", "budgets": budgets})
     if arm in ("qfilters-perhead", "qfilters-decoded"):
         path = FILTERS if arm == "qfilters-perhead" else DECODED
         name, recent = "qfilters-calibrated", load_windows(str(path), budget, N_SINK)

@@ -175,3 +175,36 @@ def test_a_model_whose_layers_list_is_a_copy_cannot_be_replayed():
         simulated_pass(Copying(model), list(range(30)), MaskedArm(cfg), 4, start=1, hidden=mx.zeros((1, 29, 144)))
     with pytest.raises(RuntimeError, match="did not run the layers of model.layers"):
         simulated_pass(Copying(model), list(range(30)), MaskedArm(cfg), 4, record=[1])
+
+
+def test_budgets_per_layer_equal_caches_of_those_budgets_fed_token_by_token():
+    filters = _filters()
+    model = tiny_llama(seed=1)
+    tokens = np.random.default_rng(2).integers(0, 101, 60).tolist()
+    windows = ((2, 5, 0), (9, 1, 4))  # each fits its layer's budget
+    cfg = KVCacheConfig(method="qfilters", head_dim=HD, qfilters_budget=24, qfilters_n_sink=2,
+                        qfilters_recent=windows)
+    budgets = (12, 24)
+    caches = [build_cache(replace(cfg, qfilters_budget=b, qfilters_recent=windows[i]), i, filters=filters[i])
+              for i, b in enumerate(budgets)]
+    want = streaming_nll(model, tokens, caches, 5)
+    got = simulated_nll(model, tokens, MaskedArm(cfg, filters=filters, budgets=budgets), 5)
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    same = simulated_nll(model, tokens, MaskedArm(cfg, filters=filters), 5)  # 24 everywhere
+    assert np.abs(np.array(same) - np.array(want)).max() > 1e-3
+    assert MaskedArm(cfg, filters=filters).budget(1) == 24
+
+
+def test_budgets_per_layer_are_checked():
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16, qfilters_n_sink=4)
+    for bad in ((16, 4), (16, 2.5), (16, True), (16, "8")):
+        with pytest.raises(ValueError, match="budgets: one int > n_sink"):
+            MaskedArm(cfg, budgets=bad)
+    arm = MaskedArm(cfg, budgets=(8, np.int64(12)))
+    assert arm.budget(0) == 8 and arm.budget(1) == 12
+    for layer in (2, -1):
+        with pytest.raises(ValueError, match="budgets has 2 layers; layer"):
+            arm.budget(layer)
+    with pytest.raises(ValueError, match="keep_masks: need 3 windows"):  # window 8 > 8 - 4 at layer 0
+        simulated_nll(tiny_llama(seed=1), list(range(30)), MaskedArm(replace(cfg, qfilters_recent=8),
+                                                                      budgets=(8, 16)), 4)

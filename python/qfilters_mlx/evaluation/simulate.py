@@ -43,15 +43,20 @@ class MaskedArm:
             key's score at insertion (higher is kept); ``None``: the config's own method
             (:func:`~qfilters_mlx.cache.kv_cache.insertion_scores`, with ``filters[layer]``).
         filters: ``[n_layers, H_kv, D]`` for ``method="qfilters"`` with ``score=None``.
+        budgets: one budget per layer (tokens kept per KV head; each ``> n_sink`` and at least
+            ``n_sink`` plus that layer's windows), or ``None``: the config's budget everywhere.
+            Budgets per layer are a simulation only: a cache takes its config's one budget.
 
     Raises:
-        ValueError: a compress-once config, ``method="full"`` (nothing to simulate), or
-            ``method="qfilters"`` with neither ``score`` nor ``filters``.
+        ValueError: a compress-once config, ``method="full"`` (nothing to simulate),
+            ``method="qfilters"`` with neither ``score`` nor ``filters``, or a budget per layer
+            that is no int above ``n_sink``.
     """
 
     config: object
     score: Callable | None = None
     filters: object = None
+    budgets: tuple | None = None
 
     def __post_init__(self):
         c = self.config
@@ -62,6 +67,18 @@ class MaskedArm:
         if self.score is None and c.method == "qfilters" and self.filters is None:
             raise ValueError("method='qfilters' without score= needs filters= (fixed at insertion: "
                              "online filters are not covered)")
+        if self.budgets is not None and not all(
+                isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > c.qfilters_n_sink
+                for b in self.budgets):
+            raise ValueError(f"budgets: one int > n_sink ({c.qfilters_n_sink}) per layer, got {self.budgets}")
+
+    def budget(self, layer: int) -> int:
+        """Tokens kept per KV head at ``layer``."""
+        if self.budgets is None:
+            return int(self.config.qfilters_budget)
+        if not 0 <= layer < len(self.budgets):
+            raise ValueError(f"budgets has {len(self.budgets)} layers; layer {layer} has none")
+        return int(self.budgets[layer])
 
     def scores(self, layer: int, keys: mx.array) -> mx.array:
         """``[1, H_kv, T]`` float32 insertion scores of ``keys`` at ``layer``."""
@@ -137,7 +154,7 @@ class _OnePass:
         H = keys.shape[1]
         c = self.arm.config
         scores = np.array(self.arm.scores(self.layer, keys).astype(mx.float32))[0]
-        m = keep_masks(scores, c.qfilters_budget, c.qfilters_n_sink, self.arm.windows(self.layer, H),
+        m = keep_masks(scores, self.arm.budget(self.layer), c.qfilters_n_sink, self.arm.windows(self.layer, H),
                        self.prefix)
         self.mask = mx.array(m)[None]  # [1, H_kv, T, T]
         self.offset = keys.shape[2]
