@@ -51,5 +51,28 @@ def test_decoded_windows_refuse_a_text_too_short(folder, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["calibrate", "--model", str(folder), "--text", str(text), "--out", str(tmp_path / "f"),
               "--tokens", "120", "--window-budgets", "24", "--window-rule", "decoded"])
-    assert "--window-rule decoded: needs more than 129 calibration tokens" in capsys.readouterr().err
+    assert ("--window-rule decoded: 120 calibration tokens show no eviction at budget 24 with a 128-token first "
+            "call: need at least max(prefix, budget + 1) + 2 = 130") in capsys.readouterr().err
     assert not (tmp_path / "f").exists()
+
+
+def test_default_budgets_too_long_for_the_text_are_skipped_and_said(folder, tmp_path, capsys):
+    import mlx.core as mx
+
+    from qfilters_mlx.commands.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    out = str(tmp_path / "f.safetensors")
+    # 131 tokens: budget 64 needs max(128, 65) + 2 = 130, 128 needs 131, 256 and 512 more
+    assert main(["calibrate", "--model", str(folder), "--text", str(text), "--out", out, "--tokens", "131",
+                 "--samples", "64", "--window-chunk", "131", "--window-rule", "decoded"]) == 0
+    err = capsys.readouterr().err
+    assert ("budgets 256, 512 skipped (the calibration sequences hold 131 tokens; a budget needs at least "
+            "max(128, budget + 1) + 2)") in err
+    assert mx.load(out, return_metadata=True)[1]["recent_budgets"] == "[64, 128]"
+    assert main(["calibrate", "--model", str(folder), "--text", str(text), "--out", out, "--tokens", "131",
+                 "--samples", "64", "--window-chunk", "131"]) == 0  # the measured rules need budget + 2
+    assert "budgets 256, 512 skipped (the calibration sequences hold 131 tokens; a budget needs at least " \
+           "budget + 2)" in capsys.readouterr().err
+    assert mx.load(out, return_metadata=True)[1]["recent_budgets"] == "[64, 128]"

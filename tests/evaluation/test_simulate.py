@@ -86,13 +86,14 @@ def test_what_it_does_not_cover_is_refused():
     model = tiny_llama(seed=1)
     cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
     for bad in (0, 30):
-        with pytest.raises(ValueError, match="prefix"):
+        with pytest.raises(ValueError, match=rf"^prefix must be in \[1, 29\], got {bad}$"):
             simulated_nll(model, list(range(30)), MaskedArm(cfg), bad)
-    with pytest.raises(ValueError, match="full_cache_nll"):
+    with pytest.raises(ValueError, match="^method='full' evicts nothing: use evaluation.perplexity.full_cache_nll$"):
         MaskedArm(replace(cfg, method="full"))
-    with pytest.raises(ValueError, match="streaming mode"):
+    with pytest.raises(ValueError, match="^simulated_nll covers the streaming mode only$"):
         MaskedArm(replace(cfg, mode=CompressOnce(0.5)))
-    with pytest.raises(ValueError, match="filters="):
+    with pytest.raises(ValueError, match=r"^method='qfilters' without score= needs filters= \(fixed at insertion: "
+                                         r"online filters are not covered\)$"):
         MaskedArm(KVCacheConfig(method="qfilters", head_dim=HD, qfilters_budget=16))
 
 
@@ -208,3 +209,14 @@ def test_budgets_per_layer_are_checked():
     with pytest.raises(ValueError, match="keep_masks: need 3 windows"):  # window 8 > 8 - 4 at layer 0
         simulated_nll(tiny_llama(seed=1), list(range(30)), MaskedArm(replace(cfg, qfilters_recent=8),
                                                                       budgets=(8, 16)), 4)
+
+
+def test_a_layer_called_twice_in_one_pass_is_refused():
+    from qfilters_mlx.evaluation.simulate import _OnePass  # the stand-in cache of one layer
+
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
+    c = _OnePass(0, MaskedArm(cfg), 4)
+    k = mx.zeros((1, 3, 20, HD))
+    assert c.update_and_fetch(k, k)[0] is k and c.offset == 20 and c.mask.shape == (1, 3, 20, 20)
+    with pytest.raises(RuntimeError, match="a layer was called twice in one pass"):
+        c.update_and_fetch(k, k)

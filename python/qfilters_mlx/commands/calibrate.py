@@ -142,12 +142,9 @@ def _decoded_windows(parser, args, model, ids, filters, budgets: tuple):
     :func:`~qfilters_mlx.filters.windows.window_tensors` stores them; progress on stderr."""
     import numpy as np
 
-    from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, search_windows
+    from qfilters_mlx.filters.decoded_windows import search_windows
     from qfilters_mlx.filters.windows import window_tensors
 
-    if len(ids) <= DECODED_PREFIX + 1:
-        parser.error(f"--window-rule decoded: needs more than {DECODED_PREFIX + 1} calibration tokens "
-                     f"(a {DECODED_PREFIX}-token first call, then scored tokens), got {len(ids)}")
     rows, summary = [], {}
     for b in budgets:
         try:
@@ -196,11 +193,17 @@ def _calibrate(parser, args, text, source, model_path, world, budgets: tuple) ->
     longest = min(len(ids), args.window_chunk)
     if budgets and not args.window_budgets_given:
         # Default budgets the calibration text is too short to simulate are dropped, said.
-        short = [b for b in budgets if longest <= b + 1]
-        budgets = tuple(b for b in budgets if longest > b + 1)
+        if args.window_rule == "decoded":
+            from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, min_tokens
+
+            need, what = min_tokens, f"max({DECODED_PREFIX}, budget + 1) + 2"
+        else:
+            need, what = (lambda b: b + 2), "budget + 2"
+        short = [b for b in budgets if longest < need(b)]
+        budgets = tuple(b for b in budgets if longest >= need(b))
         if short:
             print(f"Per-head recent windows: budgets {', '.join(map(str, short))} skipped (the "
-                  f"calibration sequences hold {longest} tokens; a budget needs more than budget + 1)",
+                  f"calibration sequences hold {longest} tokens; a budget needs at least {what})",
                   file=sys.stderr, flush=True)
     if budgets and world.size() > 1:
         print("Per-head recent windows are not chosen under mlx.launch (each rank sees only its "

@@ -29,6 +29,13 @@ DECODED_PREFIX = 128
 """Tokens of the first call of the simulated decoding (as in the perplexity protocol)."""
 
 
+def min_tokens(budget: int, prefix: int = DECODED_PREFIX) -> int:
+    """Fewest calibration tokens whose simulated decoding shows an eviction: the last scored
+    query (position ``T - 2``) must come after the first call and see more than ``budget``
+    earlier tokens, so ``T >= max(prefix, budget + 1) + 2``."""
+    return max(prefix, budget + 1) + 2
+
+
 def candidate_windows(budget: int, n_sink: int, start: int, fractions=DECODED_FRACTIONS) -> list[int]:
     """``start`` and ``round(f * (budget - n_sink))`` for ``f`` in ``fractions``, ascending, unique.
 
@@ -65,8 +72,8 @@ def search_windows(model, tokens, filters, budget: int, n_sink: int = 4, *, pref
         ``trace["groups"]``: ``{"layers": [a, b), "nll": {window: mean NLL}, "chosen": window}``.
 
     Raises:
-        ValueError: ``group < 1``; no more than ``budget + 1`` tokens (nothing would be
-            evicted); filters not ``[len(model.layers), H, D]``; what
+        ValueError: ``group < 1``; fewer than ``max(prefix, budget + 1) + 2`` tokens (no scored
+            token would see an eviction); filters not ``[len(model.layers), H, D]``; what
             :func:`candidate_windows` and the simulation raise.
     """
     from qfilters_mlx.config import KVCacheConfig, default_recent
@@ -81,9 +88,10 @@ def search_windows(model, tokens, filters, budget: int, n_sink: int = 4, *, pref
                          f"got shape {f.shape}")
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
-    if len(tokens) - 1 <= budget:
-        raise ValueError(f"{len(tokens)} calibration tokens evict nothing at budget {budget}: need more "
-                         f"than budget + 1 = {budget + 1}")
+    need = min_tokens(budget, prefix)
+    if len(tokens) < need:
+        raise ValueError(f"{len(tokens)} calibration tokens show no eviction at budget {budget} with a "
+                         f"{prefix}-token first call: need at least max(prefix, budget + 1) + 2 = {need}")
     H, D = f.shape[1], f.shape[2]
     start = default_recent(budget, n_sink) if start is None else int(start)
     cands = candidate_windows(budget, n_sink, start, fractions)
