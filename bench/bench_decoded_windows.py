@@ -9,10 +9,10 @@ Usage::
 
     python bench/bench_decoded_windows.py [--budgets 64,128,256,512] [--group 5]
 
-Writes ``bench/results/decoded_windows.json`` (windows and the search trace per budget), its
-table ``decoded_windows.md``, and,
-once every budget is searched, ``bench/results/smollm2_filters_decoded.safetensors`` (the
-filters of ``smollm2_filters.safetensors`` with these windows; evaluate with
+Writes ``bench/results/decoded_windows.json`` (windows, search settings and trace per budget;
+a budget already there with other settings is refused), its table ``decoded_windows.md``, and
+``bench/results/smollm2_filters_decoded.safetensors`` (the filters of
+``smollm2_filters.safetensors`` with the windows of every budget searched so far; evaluate with
 ``bench/bench_quality_directions.py --arms qfilters-decoded``).
 """
 
@@ -81,6 +81,11 @@ def main() -> int:
                            f"{CALIB_TOKENS + len(ids) - 1}", "prefix": DECODED_PREFIX, "scored": len(ids) - DECODED_PREFIX,
                            "n_sink": N_SINK, "group": a.group, "fractions": list(DECODED_FRACTIONS)}
     budgets = results.setdefault("budgets", {})
+    search = {"filters": FILTERS.name, "group": a.group, "fractions": list(DECODED_FRACTIONS)}
+    for b in a.budgets:  # a budget searched before with other settings is not passed off as this run's
+        old = budgets.get(str(b), {}).get("search", search)
+        if old != search:
+            raise SystemExit(f"{out}: budget {b} was searched with {old}, not {search}: use another --out")
     command = " ".join(["python bench/bench_decoded_windows.py", *sys.argv[1:]])
     if any(str(b) not in budgets for b in a.budgets) and command not in results.setdefault("commands", []):
         results["commands"].append(command)  # (a run that searches nothing only writes the files)
@@ -90,7 +95,8 @@ def main() -> int:
         start = time.perf_counter()
         w, trace = search_windows(model, ids, np.array(filters), b, N_SINK, group=a.group,
                                   progress=lambda line: print(line, flush=True))
-        budgets[str(b)] = {"windows": w.tolist(), "trace": trace, "seconds": time.perf_counter() - start}
+        budgets[str(b)] = {"windows": w.tolist(), "trace": trace, "seconds": time.perf_counter() - start,
+                           "search": search}
         print(f"budget {b}: mean NLL {trace['start_nll']:.4f} -> {trace['nll']:.4f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
         out.write_text(json.dumps(results, indent=1))

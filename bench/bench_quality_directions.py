@@ -115,6 +115,8 @@ def pyramid_budgets(budget: int, n_layers: int, alpha: float) -> list[int]:
     """Budgets per layer ``budget * (1 + alpha * (1 - 2 l / (L - 1)))`` rounded, summing to
     ``n_layers * budget`` exactly (the same bytes as one budget everywhere): ``alpha > 0`` gives
     the lower layers more (PyramidKV's shape), ``alpha < 0`` the upper ones."""
+    if n_layers < 2:
+        raise ValueError(f"pyramid budgets need 2 layers or more, got {n_layers}")
     raw = [budget * (1 + alpha * (1 - 2 * i / (n_layers - 1))) for i in range(n_layers)]
     out = [int(round(r)) for r in raw]
     out[n_layers // 2] += n_layers * budget - sum(out)  # rounding, put in the middle layer
@@ -128,7 +130,10 @@ def masked_arm(arm: str, budget: int, hd: int, filters, stats) -> tuple[MaskedAr
         cfg = KVCacheConfig(method="streaming_llm", head_dim=hd, qfilters_budget=budget)
         return MaskedArm(cfg), {**desc, "method": "streaming_llm"}
     if arm.startswith("pyramid-"):
-        alpha = float(arm[len("pyramid-"):].split("@")[0])
+        alpha, _, window = arm[len("pyramid-"):].partition("@")
+        if window != "r1/2":
+            raise ValueError(f"{arm!r}: the pyramid arms take each layer's budget/2 window: write @r1/2")
+        alpha = float(alpha)
         budgets = pyramid_budgets(budget, len(filters), alpha)
         windows = [[default_recent(b, N_SINK)] * filters.shape[1] for b in budgets]
         cfg = KVCacheConfig(method="qfilters", head_dim=hd, qfilters_budget=max(budgets), qfilters_n_sink=N_SINK,

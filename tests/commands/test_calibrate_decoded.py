@@ -43,16 +43,38 @@ def test_decoded_windows_are_the_search_s_and_load(folder, tmp_path, capsys):
     assert mx.load(out)["recent_windows"].shape == (2, 2, 1)
 
 
-def test_decoded_windows_refuse_a_text_too_short(folder, tmp_path, capsys):
+def test_decoded_windows_refuse_a_text_too_short_before_searching(folder, tmp_path, capsys, monkeypatch):
+    import qfilters_mlx.filters.decoded_windows as dw
     from qfilters_mlx.commands.cli import main
 
+    searched = []
+    monkeypatch.setattr(dw, "search_windows", lambda *a, **k: searched.append(a))
     text = tmp_path / "text.txt"
     text.write_text("short text " * 20)
     with pytest.raises(SystemExit):
         main(["calibrate", "--model", str(folder), "--text", str(text), "--out", str(tmp_path / "f"),
-              "--tokens", "120", "--window-budgets", "24", "--window-rule", "decoded"])
-    assert ("--window-rule decoded: 120 calibration tokens show no eviction at budget 24 with a 128-token first "
-            "call: need at least max(prefix, budget + 1) + 2 = 130") in capsys.readouterr().err
+              "--tokens", "131", "--window-budgets", "24,129,128", "--window-rule", "decoded"])
+    assert ("--window-rule decoded: budgets 129 need more calibration tokens than 131: at least "
+            "max(128, budget + 1) + 2") in capsys.readouterr().err
+    assert not (tmp_path / "f").exists() and not searched  # budget 24 was not searched first
+
+
+def test_a_model_the_simulation_cannot_mask_is_refused_naming_it(folder, tmp_path, capsys, monkeypatch):
+    import mlx_lm.models.llama as llama
+
+    from qfilters_mlx.commands.cli import main
+
+    original = llama.scaled_dot_product_attention
+    monkeypatch.setattr(llama, "scaled_dot_product_attention",
+                        lambda *a, **k: original(*a, **k))  # attention the masks cannot reach
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--model", str(folder), "--text", str(text), "--out", str(tmp_path / "f"),
+              "--tokens", "200", "--samples", "64", "--window-budgets", "24", "--window-rule", "decoded"])
+    err = capsys.readouterr().err
+    assert ("--window-rule decoded: simulated eviction: the attention of layers [0, 1] did not go through "
+            "mlx-lm's scaled_dot_product_attention") in err
     assert not (tmp_path / "f").exists()
 
 

@@ -155,6 +155,24 @@ def test_a_pass_from_a_layer_refuses_what_does_not_fit():
     for record in ([0], [2], [-1]):
         with pytest.raises(ValueError, match="record: layers must be in"):
             simulated_pass(model, list(range(30)), MaskedArm(cfg), 4, start=1, hidden=h, record=record)
+    for bad in (mx.zeros((1, 28, 144)), mx.zeros((2, 29, 144)), mx.zeros((29, 144))):
+        with pytest.raises(ValueError, match=r"^hidden must be \[1, 29, d_model\] \(the recorded output of layer 0\)"):
+            simulated_pass(model, list(range(30)), MaskedArm(cfg), 4, start=1, hidden=bad)
+
+
+def test_model_layers_are_restored_when_the_pass_raises():
+    model = tiny_llama(seed=1)
+    originals = list(model.layers)
+    cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
+    _, outs = simulated_pass(model, list(range(30)), MaskedArm(cfg), 4, record=[0])
+
+    def fails(layer, keys):  # raises inside the pass, after the layers were swapped
+        raise FloatingPointError("score failed")
+
+    for kw in ({"start": 1, "hidden": outs[0], "record": [1]}, {"record": [0, 1]}):
+        with pytest.raises(FloatingPointError, match="score failed"):
+            simulated_pass(model, list(range(30)), MaskedArm(cfg, score=fails), 4, **kw)
+        assert len(model.layers) == 2 and all(a is b for a, b in zip(model.layers, originals))
 
 
 def test_a_model_whose_layers_list_is_a_copy_cannot_be_replayed():
@@ -206,9 +224,16 @@ def test_budgets_per_layer_are_checked():
     for layer in (2, -1):
         with pytest.raises(ValueError, match="budgets has 2 layers; layer"):
             arm.budget(layer)
-    with pytest.raises(ValueError, match="keep_masks: need 3 windows"):  # window 8 > 8 - 4 at layer 0
-        simulated_nll(tiny_llama(seed=1), list(range(30)), MaskedArm(replace(cfg, qfilters_recent=8),
-                                                                      budgets=(8, 16)), 4)
+    model = tiny_llama(seed=1)
+    cfg = replace(cfg, method="l2norm")  # (StreamingLLM's window is budget - n_sink whatever is given)
+    with pytest.raises(ValueError, match="^layer 0: n_sink 4 \\+ recent window 8 exceed its budget 8$"):
+        simulated_nll(model, list(range(30)), MaskedArm(replace(cfg, qfilters_recent=8), budgets=(8, 16)), 4)
+    with pytest.raises(ValueError, match="^layer 1: n_sink 4 \\+ recent window 9 exceed its budget 12$"):
+        simulated_nll(model, list(range(30)), MaskedArm(replace(cfg, qfilters_recent=((1, 2, 3), (0, 9, 1))),
+                                                        budgets=(16, 12)), 4)
+    for wrong in ((16,), (16, 16, 16)):  # one budget per layer of the model, no more, no fewer
+        with pytest.raises(ValueError, match=f"^budgets has {len(wrong)} layers, the model 2$"):
+            simulated_nll(model, list(range(30)), MaskedArm(cfg, budgets=wrong), 4)
 
 
 def test_a_layer_called_twice_in_one_pass_is_refused():

@@ -98,6 +98,9 @@ def test_search_refuses_what_it_cannot_take():
         search_windows(model, tokens, _filters(2)[0], 16, 4)
     with pytest.raises(ValueError, match="^group must be >= 1, got 0$"):
         search_windows(model, tokens, _filters(2), 16, 4, group=0)
+    for budget, n_sink in ((4, 4), (3, 4), (16, -1)):
+        with pytest.raises(ValueError, match=f"^budget must exceed n_sink >= 0, got budget {budget}, n_sink {n_sink}$"):
+            search_windows(model, tokens, _filters(2), budget, n_sink)
 
 
 def test_a_text_too_short_to_evict_is_refused():
@@ -161,9 +164,10 @@ def test_the_greedy_rule_on_a_known_loss(monkeypatch):
     assert trace["start_nll"] == pytest.approx(1.0 + 0.2 + 0.0 + 0.5)
     assert trace["nll"] == pytest.approx(0.5 + 0.1 + 0.0 + 0.4)
     assert [g["chosen"] for g in trace["groups"]] == [12, 16, 10, 12]
-    assert fake.calls[0] == (0, (10, 10, 10, 10), (0, 1, 2, 3))  # the start, every output recorded
+    assert fake.calls[0] == (0, (10, 10, 10, 10), (0, 1, 2))  # the start, every output a group starts from
     assert [c[0] for c in fake.calls[1:]] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3  # one pass per candidate
-    assert fake.calls[4] == (1, (12, 4, 10, 10), (1, 2, 3))  # layer 0 chosen, layer 1 tried, outputs from 1 up
+    assert fake.calls[4] == (1, (12, 4, 10, 10), (1, 2))  # layer 0 chosen, layer 1 tried, outputs from 1 up
+    assert fake.calls[-1] == (3, (12, 16, 10, 16), ())  # the last group: nothing above it to replay
     assert lines[0] == "  budget 20, layers 0-0: window 12 (mean NLL 1.2000; 4: 1.7000, 10: 1.7000, 12: 1.2000, " \
                        "16: 1.2000)"
     assert lines[2].startswith("  budget 20, layers 2-2: window 10 (mean NLL 1.1000; 4: 1.1000, 10: 1.1000, ")

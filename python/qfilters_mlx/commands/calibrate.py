@@ -56,8 +56,8 @@ def add_parser(sub) -> None:
                      help="what a window is chosen by: least attention-output error (default), most "
                           "captured attention mass (the first rule, kept for comparison), or least NLL of "
                           "the first --window-chunk tokens decoded with simulated eviction (one window per "
-                          "group of 5 layers, searched bottom-up; about 10 minutes per budget for SmolLM2 "
-                          "on 2 CPU cores)")
+                          "group of consecutive layers, searched bottom-up; 10 to 12 minutes per budget for "
+                          "SmolLM2-135M on 2 CPU cores)")
     cal.add_argument("--filters-from", default=None, metavar="FILE",
                      help="take the filters from this earlier `calibrate` output (same model, checked) "
                           "instead of estimating them again; only the per-head windows are computed")
@@ -142,9 +142,13 @@ def _decoded_windows(parser, args, model, ids, filters, budgets: tuple):
     :func:`~qfilters_mlx.filters.windows.window_tensors` stores them; progress on stderr."""
     import numpy as np
 
-    from qfilters_mlx.filters.decoded_windows import search_windows
+    from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, min_tokens, search_windows
     from qfilters_mlx.filters.windows import window_tensors
 
+    unfit = [b for b in budgets if len(ids) < min_tokens(b)]
+    if unfit:  # every budget checked before the first (long) search
+        parser.error(f"--window-rule decoded: budgets {', '.join(map(str, unfit))} need more calibration "
+                     f"tokens than {len(ids)}: at least max({DECODED_PREFIX}, budget + 1) + 2")
     rows, summary = [], {}
     for b in budgets:
         try:

@@ -214,6 +214,19 @@ def simulated_nll(model, tokens, arm: MaskedArm, prefix: int) -> list[float]:
     return simulated_pass(model, tokens, arm, prefix)[0]
 
 
+def _check_fits(arm: MaskedArm, n_layers: int) -> None:
+    """Raise ``ValueError`` naming the layer where ``arm`` does not fit a model of ``n_layers``."""
+    if arm.budgets is not None and len(arm.budgets) != n_layers:
+        raise ValueError(f"budgets has {len(arm.budgets)} layers, the model {n_layers}")
+    n_sink = arm.config.qfilters_n_sink
+    for i in range(n_layers):
+        r = arm.config.layer_recent(i)
+        widest = int(r) if isinstance(r, int) else max(int(x) for x in r)
+        if n_sink + widest > arm.budget(i):
+            raise ValueError(f"layer {i}: n_sink {n_sink} + recent window {widest} exceed its budget "
+                             f"{arm.budget(i)}")
+
+
 class _Replay:
     """Stand-in for a layer below ``start``: returns the hidden state recorded for the layer
     input at ``start`` (every layer below it is skipped), other attributes are the layer's."""
@@ -257,9 +270,12 @@ def simulated_pass(model, tokens, arm: MaskedArm, prefix: int, *, start: int = 0
 
     Raises:
         ValueError: what :func:`simulated_nll` raises; ``start`` outside ``[0, n_layers)``,
-            ``start > 0`` without ``hidden``, a ``record`` layer below ``start`` or outside the
-            model. RuntimeError: also when the model does not run ``model.layers`` in order
-            (the replayed layers were not called).
+            ``start > 0`` without ``hidden`` or the reverse, ``hidden`` not ``[1, T - 1, ...]``,
+            a ``record`` layer below ``start`` or outside the model; ``arm.budgets`` not one per
+            layer, or a layer whose sinks and widest window exceed its budget (both named,
+            before any layer runs). RuntimeError: also when the model does not run the layers
+            of ``model.layers`` (the replayed layers were not called). ``model.layers`` is
+            restored whatever is raised.
     """
     toks = mx.array(tokens)
     T = toks.shape[0]
@@ -273,6 +289,10 @@ def simulated_pass(model, tokens, arm: MaskedArm, prefix: int, *, start: int = 0
                          f"(start {start}, hidden {'given' if hidden is not None else 'None'})")
     if record and not start <= record[0] <= record[-1] < n:
         raise ValueError(f"record: layers must be in [{start}, {n}), got {record}")
+    if hidden is not None and (hidden.ndim != 3 or tuple(hidden.shape[:2]) != (1, T - 1)):
+        raise ValueError(f"hidden must be [1, {T - 1}, d_model] (the recorded output of layer {start - 1}), "
+                         f"got shape {tuple(hidden.shape)}")
+    _check_fits(arm, n)
     caches = [_OnePass(i, arm, prefix) for i in range(n)]
     originals = list(layers)
     replayed = [_Replay(layers[i], hidden) for i in range(start)]
@@ -290,7 +310,7 @@ def simulated_pass(model, tokens, arm: MaskedArm, prefix: int, *, start: int = 0
                            "below start cannot be replayed, outputs not recorded)")
     missed = [i for i, c in enumerate(caches[start:], start) if not c.attended]
     if missed:
-        raise RuntimeError(f"simulated_nll: the attention of layers {missed} did not go through "
+        raise RuntimeError(f"simulated eviction: the attention of layers {missed} did not go through "
                            "mlx-lm's scaled_dot_product_attention with their cache (not maskable)")
     lp = logits[prefix - 1:]
     nll = mx.logsumexp(lp, axis=-1) - mx.take_along_axis(lp, toks[prefix:, None], axis=-1)[:, 0]

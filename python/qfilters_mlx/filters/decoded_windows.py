@@ -12,7 +12,8 @@ starts at the library's default window (:func:`qfilters_mlx.config.default_recen
 each group, every candidate window ``round(f * (budget - n_sink))``, ``f`` in ``fractions``
 (``f = 1``: StreamingLLM in those layers), is given to all KV heads of the group's layers,
 the layers below keep what was chosen for them, the layers above their start value; the
-candidate with the lowest mean NLL wins (equal NLLs: the window the group has). A candidate
+candidate with the lowest mean NLL wins (equal NLLs: the window the group has; between other
+candidates, the smaller window). A candidate
 reruns only the layers from the group up (the hidden state entering the group is recorded
 once per choice), so a group costs ``len(candidates)`` partial forward passes.
 """
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from qfilters_mlx.evaluation.perplexity import PerplexitySizes
+
 DECODED_FRACTIONS = (0.25, 0.75, 1.0)
 """Candidate windows as fractions of ``budget - n_sink``, tried besides the start window."""
 DECODED_GROUP = 5
 """Consecutive layers that share one window in the search."""
-DECODED_PREFIX = 128
-"""Tokens of the first call of the simulated decoding (as in the perplexity protocol)."""
+DECODED_PREFIX = PerplexitySizes.ppl_prefix
+"""Tokens of the first call of the simulated decoding (the perplexity protocol's prefix)."""
 
 
 def min_tokens(budget: int, prefix: int = DECODED_PREFIX) -> int:
@@ -67,12 +70,13 @@ def search_windows(model, tokens, filters, budget: int, n_sink: int = 4, *, pref
         progress: called with one line per group, or ``None``.
 
     Returns:
-        ``(windows [n_layers, n_kv_heads] int32, trace)``: ``trace["start_nll"]`` and
-        ``trace["nll"]`` (mean NLL of the scored tokens before and after, nats), and per group
+        ``(windows [n_layers, n_kv_heads] int32, trace)``: ``trace["budget"]``, ``"n_sink"``,
+        ``"start"`` (the start window), ``"candidates"`` (ascending), ``"start_nll"`` and
+        ``"nll"`` (mean NLL of the scored tokens before and after, nats), and per group
         ``trace["groups"]``: ``{"layers": [a, b), "nll": {window: mean NLL}, "chosen": window}``.
 
     Raises:
-        ValueError: ``group < 1``; fewer than ``max(prefix, budget + 1) + 2`` tokens (no scored
+        ValueError: ``budget <= n_sink``; ``group < 1``; fewer than ``max(prefix, budget + 1) + 2`` tokens (no scored
             token would see an eviction); filters not ``[len(model.layers), H, D]``; what
             :func:`candidate_windows` and the simulation raise.
     """
@@ -88,6 +92,8 @@ def search_windows(model, tokens, filters, budget: int, n_sink: int = 4, *, pref
                          f"got shape {f.shape}")
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
+    if budget <= n_sink or n_sink < 0:
+        raise ValueError(f"budget must exceed n_sink >= 0, got budget {budget}, n_sink {n_sink}")
     need = min_tokens(budget, prefix)
     if len(tokens) < need:
         raise ValueError(f"{len(tokens)} calibration tokens show no eviction at budget {budget} with a "
@@ -96,7 +102,7 @@ def search_windows(model, tokens, filters, budget: int, n_sink: int = 4, *, pref
     start = default_recent(budget, n_sink) if start is None else int(start)
     cands = candidate_windows(budget, n_sink, start, fractions)
     groups = [(a, min(a + group, n_layers)) for a in range(0, n_layers, group)]
-    bounds = [b - 1 for _, b in groups]  # layers whose outputs enter the next group
+    bounds = [b - 1 for _, b in groups[:-1]]  # layers whose outputs enter the next group
 
     def run(windows, first, hidden):
         cfg = KVCacheConfig(method="qfilters", head_dim=D, qfilters_budget=budget, qfilters_n_sink=n_sink,
