@@ -165,7 +165,8 @@ def write_markdown(out, results: dict) -> None:
         "Commands (each adds its cells to the same file):\n\n" + "".join(f"    {c}\n" for c in results["commands"])
         + "\n"
         "Segment `calibration` (the tuning text): tokens 4,096 to 6,271 of the calibration text, after "
-        "the 4,096 the filters and the statistics come from; segments A and B are held out.\n\n"
+        "the 4,096 the filters and the statistics come from, and the text `qfilters-decoded`'s windows were "
+        "searched on (its cells there are in-sample); segments A and B are held out.\n\n"
         + segment_markdown(results))
 
 
