@@ -126,6 +126,8 @@ def test_attention_outside_mlx_lm_s_sdpa_raises(monkeypatch):
     cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
     with pytest.raises(RuntimeError, match="layers \\[0, 1\\]"):
         simulated_nll(model, list(range(30)), MaskedArm(cfg), 4)
+    with pytest.raises(RuntimeError, match="layers \\[1\\] did not go through"):  # from a replayed layer 0 on
+        simulated_pass(model, list(range(30)), MaskedArm(cfg), 4, start=1, hidden=mx.zeros((1, 29, 144)))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -149,8 +151,11 @@ def test_a_pass_from_a_layer_refuses_what_does_not_fit():
     model = tiny_llama(seed=1)
     cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
     h = mx.zeros((1, 29, 144))
-    for kw in ({"start": 1}, {"start": 0, "hidden": h}, {"start": 2, "hidden": h}, {"start": -1, "hidden": h}):
-        with pytest.raises(ValueError, match="start must be in"):
+    for kw, said in (({"start": 1}, "start 1, hidden None"), ({"start": 0, "hidden": h}, "start 0, hidden given"),
+                     ({"start": 2, "hidden": h}, "start 2, hidden given"),
+                     ({"start": -1, "hidden": h}, "start -1, hidden given")):
+        with pytest.raises(ValueError, match=rf"^start must be in \[0, 2\) and hidden given exactly when start > 0 "
+                                             rf"\({said}\)$"):
             simulated_pass(model, list(range(30)), MaskedArm(cfg), 4, **kw)
     for record in ([0], [2], [-1]):
         with pytest.raises(ValueError, match="record: layers must be in"):
@@ -190,7 +195,8 @@ def test_a_model_whose_layers_list_is_a_copy_cannot_be_replayed():
             return self.m(*a, **k)
 
     cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16)
-    with pytest.raises(RuntimeError, match="did not run the layers of model.layers"):
+    with pytest.raises(RuntimeError, match=r"^simulated_pass: the model did not run the layers of model.layers "
+                                           r"\(layers below start cannot be replayed, outputs not recorded\)$"):
         simulated_pass(Copying(model), list(range(30)), MaskedArm(cfg), 4, start=1, hidden=mx.zeros((1, 29, 144)))
     with pytest.raises(RuntimeError, match="did not run the layers of model.layers"):
         simulated_pass(Copying(model), list(range(30)), MaskedArm(cfg), 4, record=[1])
@@ -243,5 +249,5 @@ def test_a_layer_called_twice_in_one_pass_is_refused():
     c = _OnePass(0, MaskedArm(cfg), 4)
     k = mx.zeros((1, 3, 20, HD))
     assert c.update_and_fetch(k, k)[0] is k and c.offset == 20 and c.mask.shape == (1, 3, 20, 20)
-    with pytest.raises(RuntimeError, match="a layer was called twice in one pass"):
+    with pytest.raises(RuntimeError, match="^simulated_nll: a layer was called twice in one pass$"):
         c.update_and_fetch(k, k)

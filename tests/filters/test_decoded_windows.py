@@ -139,6 +139,9 @@ class _FakeLoss:
         self.table, self.calls = table, []
 
     def __call__(self, model, tokens, arm, prefix, *, start=0, hidden=None, record=()):
+        c = arm.config  # the cache's config: the filter's method, head_dim, budget and sinks; float32 filters
+        assert (c.method, c.head_dim, c.qfilters_budget, c.qfilters_n_sink) == ("qfilters", HD, 20, 4)
+        assert arm.filters.dtype == mx.float32 and arm.score is None and arm.budgets is None
         windows = [arm.config.layer_recent(i)[0] for i in range(len(self.table))]
         assert all(len(set(arm.config.layer_recent(i))) == 1 for i in range(len(self.table)))
         assert hidden == (None if start == 0 else tuple(windows[:start])), "replayed another configuration"
@@ -159,7 +162,8 @@ def test_the_greedy_rule_on_a_known_loss(monkeypatch):
     monkeypatch.setattr(simulate, "simulated_pass", fake)
     lines = []
     model = tiny_llama(seed=1, layers=4)
-    w, trace = search_windows(model, list(range(30)), _filters(4), 20, 4, prefix=3, group=1, progress=lines.append)
+    w, trace = search_windows(model, list(range(30)), _filters(4).astype(np.float64), 20, 4, prefix=3, group=1,
+                              progress=lines.append)
     np.testing.assert_array_equal(w[:, 0], [12, 16, 10, 12])
     assert trace["start_nll"] == pytest.approx(1.0 + 0.2 + 0.0 + 0.5)
     assert trace["nll"] == pytest.approx(0.5 + 0.1 + 0.0 + 0.4)
@@ -171,6 +175,9 @@ def test_the_greedy_rule_on_a_known_loss(monkeypatch):
     assert lines[0] == "  budget 20, layers 0-0: window 12 (mean NLL 1.2000; 4: 1.7000, 10: 1.7000, 12: 1.2000, " \
                        "16: 1.2000)"
     assert lines[2].startswith("  budget 20, layers 2-2: window 10 (mean NLL 1.1000; 4: 1.1000, 10: 1.1000, ")
+    fake.calls.clear()  # float16 filters (an mx.array) are scored in float32 too
+    w16, _ = search_windows(model, list(range(30)), mx.array(_filters(4)).astype(mx.float16), 20, 4, prefix=3, group=1)
+    np.testing.assert_array_equal(w16, w)
     # groups of 3 layers: one window for layers 0-2, then layer 3
     fake.calls.clear()
     w, trace = search_windows(model, list(range(30)), _filters(4), 20, 4, prefix=3, group=3, progress=lines.append)

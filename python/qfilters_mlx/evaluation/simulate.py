@@ -133,8 +133,8 @@ def keep_masks(scores: np.ndarray, budget: int, n_sink: int, recent, prefix: int
                 nxt += 1
             while len(heap) > keep_top:
                 evicted_after[-heapq.heappop(heap)[1]] = p
-        kept = (j < n_sink) | (j >= t - window) | (evicted_after[None, :] >= t)
-        out[h] = (j <= t) & (kept | (t < prefix))
+        # (sinks and the recent window never enter the heap: never evicted, visible to every query)
+        out[h] = (j <= t) & ((evicted_after[None, :] >= t) | (t < prefix))
     return out
 
 
