@@ -34,6 +34,13 @@ REPO = Path(__file__).resolve().parent.parent
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it, newest first
+    "/tmp/qfm-decoded3": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-decoded3 "
+                         "--modules evaluation/simulate.py --only 'qfilters_mlx.evaluation.simulate.x_keep_masks*' "
+                         "--tests tests/evaluation/test_simulate.py",
+    "/tmp/qfm-decoded2": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-decoded2 "
+                         "--modules filters/decoded_windows.py evaluation/simulate.py --tests "
+                         "tests/filters/test_decoded_windows.py tests/evaluation/test_simulate.py "
+                         "tests/commands/test_calibrate_decoded.py",
     "/tmp/qfm-rest": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-rest "
                      "--modules backends/reference.py cache/persistence.py",
     "/tmp/qfm-core": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-core "
