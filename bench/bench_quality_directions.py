@@ -84,6 +84,19 @@ def calibration_stats(model, tokenizer, filters) -> list[tuple]:
     return stats
 
 
+class LazyStats:
+    """:func:`calibration_stats`, computed at the first ``stats[layer]`` (a forward pass of the
+    4,096 calibration tokens that the window and budget arms do not need)."""
+
+    def __init__(self, model, tokenizer, filters):
+        self.args, self.value = (model, tokenizer, filters), None
+
+    def __getitem__(self, layer: int) -> tuple:
+        if self.value is None:
+            self.value = calibration_stats(*self.args)
+        return self.value[layer]
+
+
 def scorer(name: str, filters, stats, budget: int):
     """``score(layer, keys [1, H, T, D]) -> [1, H, T]`` of a named direction at ``budget``."""
     def proj(layer, k):
@@ -189,7 +202,7 @@ def main() -> int:
     command = " ".join(["python bench/bench_quality_directions.py", *sys.argv[1:]])
     if command not in results.setdefault("commands", []):
         results["commands"].append(command)
-    stats = calibration_stats(model, tokenizer, filters)
+    stats = LazyStats(model, tokenizer, filters)  # only the score directions read them
     text = source_text()
     for seg in a.segments.split(","):
         if seg == "calibration":  # tuning text: after the tokens the statistics come from
