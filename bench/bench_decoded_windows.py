@@ -78,8 +78,9 @@ def main() -> int:
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("meta", common.run_meta())
     results["settings"] = {"filters": FILTERS.name, "search_text": f"{source}, tokens {CALIB_TOKENS}.."
-                           f"{CALIB_TOKENS + len(ids) - 1}", "prefix": DECODED_PREFIX, "scored": len(ids) - DECODED_PREFIX,
-                           "n_sink": N_SINK, "group": a.group, "fractions": list(DECODED_FRACTIONS)}
+                           f"{CALIB_TOKENS + len(ids) - 1}", "prefix": DECODED_PREFIX,
+                           "scored": len(ids) - DECODED_PREFIX, "n_sink": N_SINK, "group": a.group,
+                           "fractions": list(DECODED_FRACTIONS)}
     budgets = results.setdefault("budgets", {})
     search = {"filters": FILTERS.name, "group": a.group, "fractions": list(DECODED_FRACTIONS)}
     for b in a.budgets:  # a budget searched before with other settings is not passed off as this run's
