@@ -11,7 +11,8 @@ from helpers.query_models import tiny_llama
 from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.filters import calibration as cal
 from qfilters_mlx.filters.window_measures import captured_mass, output_error, sample_times
-from qfilters_mlx.filters.windows import RULES, calibrate_windows, load_windows, window_grid, window_tensors
+from qfilters_mlx.filters.windows import (MEASURED_RULES, RULES, calibrate_windows, load_windows, window_grid,
+                                         window_tensors)
 
 
 def _local_and_content_heads(T=300, D=8, seed=0):
@@ -34,7 +35,7 @@ def _local_and_content_heads(T=300, D=8, seed=0):
     return k, q, f, v
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("rule", MEASURED_RULES)
 def test_local_head_picks_the_largest_window_content_head_the_smallest(rule):
     k, q, f, v = _local_and_content_heads()
     budget, n_sink = 32, 2
@@ -52,8 +53,11 @@ def test_output_rule_needs_values_and_rules_are_named():
     k, q, f, _ = _local_and_content_heads()
     with pytest.raises(ValueError, match="values"):
         calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,))
-    with pytest.raises(ValueError, match="rule must be one of"):
+    with pytest.raises(ValueError, match=r"^rule must be one of \['output', 'mass'\], got 'loss'$"):
         calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="loss")
+    with pytest.raises(ValueError, match=r"got 'decoded' \(the decoded rule is filters.decoded_windows.search_windows\)$"):
+        calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="decoded")
+    assert set(RULES) == {*MEASURED_RULES, "decoded"}  # every rule a file may name
     windows, summary = calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="mass")
     assert windows[0, 0].tolist() == [30, 0] and "output_chosen" not in summary[32]
 

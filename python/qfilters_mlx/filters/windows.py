@@ -45,6 +45,9 @@ RULES = {
                "eviction (qfilters_mlx.filters.decoded_windows); ties keep the start window",
 }
 """The selection rules, as stored in a filters file's ``recent_rule`` metadata."""
+MEASURED_RULES = ("output", "mass")
+"""The rules :func:`calibrate_windows` applies (``"decoded"`` is
+:func:`qfilters_mlx.filters.decoded_windows.search_windows`)."""
 
 
 def window_grid(budget: int, n_sink: int) -> list[int]:
@@ -82,8 +85,10 @@ def calibrate_windows(layer_data, filters, n_sink: int = 4, budgets=WINDOW_BUDGE
         ValueError: unknown rule; values missing for ``rule="output"``; no sequence is
             longer than ``budget + 1`` for some budget.
     """
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {sorted(RULES)}, got {rule!r}")
+    if rule not in MEASURED_RULES:
+        raise ValueError(f"rule must be one of {list(MEASURED_RULES)}, got {rule!r}"
+                         + (" (the decoded rule is filters.decoded_windows.search_windows)" if rule == "decoded"
+                            else ""))
     f = np.asarray(filters, np.float64)
     L, H, _ = f.shape
     grids = {b: window_grid(b, n_sink) for b in budgets}
