@@ -31,7 +31,8 @@ from mlx_lm import load
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import calibration_text
 from qfilters_mlx.filters.calibration import load_filters, save_filters
-from qfilters_mlx.filters.decoded_windows import DECODED_FRACTIONS, DECODED_PREFIX, search_windows
+from qfilters_mlx.filters.decoded_windows import (DECODED_FRACTIONS, DECODED_PREFIX, decoded_summary,
+                                                  search_windows)
 from qfilters_mlx.filters.windows import window_tensors
 
 FILTERS = common.RESULTS / "smollm2_filters.safetensors"
@@ -77,12 +78,10 @@ def main() -> int:
     out = common.Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("meta", common.run_meta())
-    results["settings"] = {"filters": FILTERS.name, "search_text": f"{source}, tokens {CALIB_TOKENS}.."
-                           f"{CALIB_TOKENS + len(ids) - 1}", "prefix": DECODED_PREFIX,
-                           "scored": len(ids) - DECODED_PREFIX, "n_sink": N_SINK, "group": a.group,
-                           "fractions": list(DECODED_FRACTIONS)}
-    budgets = results.setdefault("budgets", {})
     search = {"filters": FILTERS.name, "group": a.group, "fractions": list(DECODED_FRACTIONS)}
+    results["settings"] = {**search, "search_text": f"{source}, tokens {CALIB_TOKENS}..{CALIB_TOKENS + len(ids) - 1}",
+                           "prefix": DECODED_PREFIX, "scored": len(ids) - DECODED_PREFIX, "n_sink": N_SINK}
+    budgets = results.setdefault("budgets", {})
     for b in a.budgets:  # a budget searched before with other settings is not passed off as this run's
         old = budgets.get(str(b), {}).get("search", search)
         if old != search:
@@ -103,9 +102,7 @@ def main() -> int:
         out.write_text(json.dumps(results, indent=1))
     done = sorted(int(b) for b in budgets)
     windows = np.stack([np.array(budgets[str(b)]["windows"], np.int32) for b in done])
-    summary = {b: {"rule": "decoded", "mean_window": float(windows[i].mean()),
-                   "start_nll": budgets[str(b)]["trace"]["start_nll"], "nll": budgets[str(b)]["trace"]["nll"]}
-               for i, b in enumerate(done)}
+    summary = {b: decoded_summary(windows[i], budgets[str(b)]["trace"]) for i, b in enumerate(done)}
     save_filters(str(DECODED), filters, model, windows=window_tensors(windows, done, N_SINK, summary, rule="decoded"),
                  **{k: v for k, v in meta.items() if k.startswith("calibration")})
     write_markdown(out, results)

@@ -34,6 +34,11 @@ REPO = Path(__file__).resolve().parent.parent
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it, newest first
+    "/tmp/qfm-decoded4": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-decoded4 "
+                         "--modules filters/decoded_windows.py --only "
+                         "'qfilters_mlx.filters.decoded_windows.x_candidate_windows*' "
+                         "'qfilters_mlx.filters.decoded_windows.x_decoded_summary*' --tests "
+                         "tests/filters/test_decoded_windows.py tests/commands/test_calibrate_decoded.py",
     "/tmp/qfm-decoded3": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-decoded3 "
                          "--modules evaluation/simulate.py --only 'qfilters_mlx.evaluation.simulate.x_keep_masks*' "
                          "--tests tests/evaluation/test_simulate.py",

@@ -39,6 +39,9 @@ def test_decoded_windows_are_the_search_s_and_load(folder, tmp_path, capsys):
         assert load_windows(out, b, 4) == tuple(tuple(int(v) for v in row) for row in want)
         summary = json.loads(meta["recent_summary"])[str(b)]
         assert summary["rule"] == "decoded" and summary["nll"] == pytest.approx(trace["nll"], abs=1e-9)
+        assert summary["start_nll"] == pytest.approx(trace["start_nll"], abs=1e-9)
+        assert summary["mean_window"] == pytest.approx(float(np.mean(want)))
+        assert summary["groups"] == [g["chosen"] for g in trace["groups"]] == [int(want[0, 0])]  # one group of 2
     assert meta["recent_rule"] == RULES["decoded"]
     assert mx.load(out)["recent_windows"].shape == (2, 2, 1)
 

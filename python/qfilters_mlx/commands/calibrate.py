@@ -142,7 +142,7 @@ def _decoded_windows(parser, args, model, ids, filters, budgets: tuple):
     :func:`~qfilters_mlx.filters.windows.window_tensors` stores them; progress on stderr."""
     import numpy as np
 
-    from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, min_tokens, search_windows
+    from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, decoded_summary, min_tokens, search_windows
     from qfilters_mlx.filters.windows import window_tensors
 
     unfit = [b for b in budgets if len(ids) < min_tokens(b)]
@@ -157,8 +157,7 @@ def _decoded_windows(parser, args, model, ids, filters, budgets: tuple):
         except (ValueError, RuntimeError) as err:  # a model the simulation cannot mask, named
             parser.error(f"--window-rule decoded: {err}")
         rows.append(w)
-        summary[b] = {"rule": "decoded", "mean_window": float(w.mean()), "start_nll": trace["start_nll"],
-                      "nll": trace["nll"], "groups": [g["chosen"] for g in trace["groups"]]}
+        summary[b] = decoded_summary(w, trace)
         print(f"  budget {b}: mean NLL {trace['start_nll']:.4f} at the default window -> "
               f"{trace['nll']:.4f}; windows per group of layers {summary[b]['groups']}", file=sys.stderr)
     return window_tensors(np.stack(rows), budgets, args.window_n_sink, summary, rule="decoded")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from qfilters_mlx.evaluation.perplexity import PerplexitySizes
+from qfilters_mlx.filters.windows import window_grid
 
 DECODED_FRACTIONS = (0.25, 0.75, 1.0)
 """Candidate windows as fractions of ``budget - n_sink``, tried besides the start window."""
@@ -49,7 +50,7 @@ def candidate_windows(budget: int, n_sink: int, start: int, fractions=DECODED_FR
     if any(not 0.0 <= f <= 1.0 for f in fractions) or not 0 <= start <= span:
         raise ValueError(f"fractions must be in [0, 1] and start in [0, {span}] (budget {budget}, "
                          f"n_sink {n_sink}): got {list(fractions)}, {start}")
-    return sorted({int(start), *(int(round(f * span)) for f in fractions)})
+    return sorted({int(start), *window_grid(budget, n_sink, fractions)})
 
 
 def search_windows(model, tokens, filters, budget: int, n_sink: int = 4, *, prefix: int = DECODED_PREFIX,
@@ -132,3 +133,10 @@ def search_windows(model, tokens, filters, budget: int, n_sink: int = 4, *, pref
                      + ", ".join(f"{k}: {v:.4f}" for k, v in sorted(tried.items())) + ")")
     trace["nll"] = best
     return np.array([[w] * H for w in windows], np.int32), trace
+
+
+def decoded_summary(windows: np.ndarray, trace: dict) -> dict:
+    """What a filters file stores of one budget's search (``recent_summary`` metadata): the rule,
+    the mean window, the mean NLL before and after, and the window chosen per group."""
+    return {"rule": "decoded", "mean_window": float(np.mean(windows)), "start_nll": trace["start_nll"],
+            "nll": trace["nll"], "groups": [g["chosen"] for g in trace["groups"]]}

@@ -50,9 +50,9 @@ MEASURED_RULES = ("output", "mass")
 :func:`qfilters_mlx.filters.decoded_windows.search_windows`)."""
 
 
-def window_grid(budget: int, n_sink: int) -> list[int]:
-    """Candidate windows ``round(f * (budget - n_sink))``, ascending, unique."""
-    return sorted({int(round(f * (budget - n_sink))) for f in WINDOW_FRACTIONS})
+def window_grid(budget: int, n_sink: int, fractions=WINDOW_FRACTIONS) -> list[int]:
+    """Candidate windows ``round(f * (budget - n_sink))`` for ``f`` in ``fractions``, ascending, unique."""
+    return sorted({int(round(f * (budget - n_sink))) for f in fractions})
 
 
 def choose_windows(measure: np.ndarray, grid, lower_is_better: bool = True) -> np.ndarray:
