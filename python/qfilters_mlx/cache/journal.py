@@ -133,6 +133,47 @@ class RewindJournal:
         self.records.clear()
         self.tokens = 0
 
+    def keep_rows(self, limit: int) -> None:
+        """Forget the oldest records until the K/V rows the journal holds (:func:`record_rows`)
+        are at most ``limit``; the rewind reach shrinks to the tokens the rest cover.
+
+        Raises:
+            ValueError: ``limit < 0``.
+        """
+        if limit < 0:
+            raise ValueError(f"keep_rows: limit must be >= 0, got {limit}")
+        held = sum(record_rows(r) for r in self.records)
+        while self.records and held > limit:
+            old = self.records.popleft()
+            held -= record_rows(old)
+            self.tokens -= old.tokens
+
+    def arrays(self) -> list:
+        """Every array the records hold (``None`` entries left out), oldest record first."""
+        out = []
+        for r in self.records:
+            if isinstance(r, StepRecord):
+                parts = (r.free, r.rows, r.scores, r.positions)
+            elif isinstance(r, LayoutRecord):
+                parts = (r.slots,)
+            else:
+                parts = (r.filter, r.queries, r.slots, r.dropped, r.observed)
+            out.extend(_flat(parts))
+        return out
+
+    def map_arrays(self, fn) -> None:
+        """Replace every array the records hold by ``fn(array)`` (same shape and values:
+        e.g. ``mx.contiguous``, which copies a view out of a larger buffer)."""
+        for r in self.records:
+            if isinstance(r, StepRecord):
+                r.free, r.rows, r.scores, r.positions = (
+                    _map(fn, x) for x in (r.free, r.rows, r.scores, r.positions))
+            elif isinstance(r, LayoutRecord):
+                r.slots = _map(fn, r.slots)
+            else:
+                r.filter, r.queries, r.slots, r.dropped, r.observed = (
+                    _map(fn, x) for x in (r.filter, r.queries, r.slots, r.dropped, r.observed))
+
     def drop_tail(self, n: int) -> None:
         """Forget the newest ``n`` tokens (a plain trim before any eviction)."""
         while n > 0 and self.records:
@@ -156,6 +197,36 @@ class RewindJournal:
             else:
                 total += _nbytes((r.slots, r.dropped, r.observed))
         return total
+
+
+def _flat(x) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (tuple, list)):
+        return [a for part in x for a in _flat(part)]
+    return [x] if isinstance(x, mx.array) else []
+
+
+def _map(fn, x):
+    if x is None or not isinstance(x, (tuple, list, mx.array)):
+        return x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(fn, a) for a in x)
+    return fn(x)
+
+
+def record_rows(record) -> int:
+    """K/V rows (per batch row and KV head) a record holds: a decode step's victim row, a
+    call's dropped rows, the free-slot row of a slot layout it left. Scores, positions,
+    slot indices and filters are not rows (a few bytes per row; counted in ``nbytes``)."""
+    if isinstance(record, StepRecord):
+        return 0 if record.rows is None else 1
+    slots = record.slots
+    rows = 0 if slots is None or slots[2] is None else 1
+    if isinstance(record, CallRecord) and record.dropped is not None:
+        keys = record.dropped[0]
+        rows += (keys[0] if isinstance(keys, tuple) else keys).shape[2]
+    return rows
 
 
 def dropped_rows(kept: mx.array, arrays: tuple) -> tuple:

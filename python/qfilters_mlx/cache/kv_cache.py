@@ -187,6 +187,13 @@ class DenseRows:
     def evicted(self) -> None:
         """Nothing held for calibration."""
 
+    def arrays(self) -> list:
+        """The arrays held besides the stored rows: none."""
+        return []
+
+    def map_arrays(self, fn) -> None:
+        """Nothing to replace."""
+
 
 def _take(buf: mx.array, order: mx.array) -> mx.array:
     return mx.take_along_axis(buf, order[..., None] if buf.ndim == 4 else order, axis=2)
@@ -1040,6 +1047,46 @@ class QFiltersKVCache(_BaseCache):
         return QuantizedQFiltersKVCache.from_cache(self, group_size=group_size, bits=bits)
 
     # ---------------------------------------------------------------- bytes
+    def shrink_to_fit(self, journal_rows: int | None = None) -> None:
+        """Hold only what the cache needs from now on, as buffers of its own: the K/V,
+        score and position buffers cut to the live rows (``size()``; in slot mode the
+        ``budget + 1`` slots), the rewind journal cut to at most ``journal_rows`` K/V rows
+        (oldest records dropped first: :attr:`rewindable_tokens` shrinks to what the rest
+        cover; ``None``: kept whole), and every array that is a view of a larger buffer
+        copied out of it (``mx.contiguous``), then evaluated. What it holds afterwards is
+        what :attr:`nbytes` counts. Outputs, kept sets and every rewind still within reach
+        are unchanged (the spare rows of a step block hold nothing; a buffer grows again
+        on the next append).
+
+        For a cache kept at rest (a stored prompt cache): mlx-lm's ``copy.deepcopy`` of an
+        array keeps the whole buffer it is a view of, and buffers grow in ``step`` blocks.
+
+        Raises:
+            ValueError: ``journal_rows < 0``.
+        """
+        if journal_rows is not None:
+            self._journal.keep_rows(journal_rows)
+        rows = self._n if self._free is None else self.scores.shape[2]
+
+        def fit(a, cut=True):
+            if a is None:
+                return None
+            if isinstance(a, tuple):
+                return tuple(fit(x, cut) for x in a)
+            return mx.contiguous(a[:, :, :rows] if cut else a)
+
+        if self.keys is not None:
+            self.keys, self.values = fit(self.keys), fit(self.values)
+            self.scores, self.positions = fit(self.scores), fit(self.positions)
+        self.filter, self._queries = fit(self.filter, False), fit(self._queries, False)
+        self._victim_rows, self._free = fit(self._victim_rows, False), fit(self._free, False)
+        self._journal.map_arrays(mx.contiguous)
+        self.storage.map_arrays(mx.contiguous)
+        self._last_kv = None
+        mx.eval([a for a in (self.keys, self.values, self.scores, self.positions, self.filter,
+                             self._queries, self._victim_rows, self._free) if a is not None]
+                + self._journal.arrays() + self.storage.arrays())
+
     @property
     def nbytes(self) -> int:
         """Bytes of every array the cache holds: buffers at capacity, scores, positions,

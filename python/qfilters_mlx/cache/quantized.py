@@ -125,6 +125,15 @@ class QuantizedRows:
         """Rows were evicted: no trim can reach calibration any more."""
         self.fp_keys = None
 
+    def arrays(self) -> list:
+        """The arrays held besides the stored rows: the full-precision keys, if any."""
+        return [] if self.fp_keys is None else [self.fp_keys]
+
+    def map_arrays(self, fn) -> None:
+        """Replace the held full-precision keys by ``fn(keys)``."""
+        if self.fp_keys is not None:
+            self.fp_keys = fn(self.fp_keys)
+
     @property
     def nbytes(self) -> int:
         """Bytes held besides the stored rows: the full-precision keys."""

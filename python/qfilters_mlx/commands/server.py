@@ -13,22 +13,25 @@ mlx-lm's ``main``:
   fresh eviction caches for every request; they batch through
   :class:`~qfilters_mlx.cache.batch.BatchQFiltersCache`, so the server keeps
   batching (``is_batchable``);
-* ``StoredConversations`` (mlx-lm's ``LRUPromptCache``,
-  :mod:`.server_cache`): reuses stored conversations without asking a cache for
-  a rewind it cannot do, keeps a checkpoint of each prompt every
-  ``--checkpoint-every`` tokens (at most ``--prompt-checkpoints``), and logs each
-  finished request's tokens, bytes, and the bytes all stored caches hold;
+* ``StoredConversations`` (mlx-lm's ``LRUPromptCache``, :mod:`.server_cache`):
+  reuses stored conversations without asking a cache for a rewind it cannot do, keeps
+  each stored cache at its budget plus its rewind journal (per conversation at most a
+  prompt checkpoint and its answer), bounds what is stored by ``--prompt-cache-size``
+  and ``--prompt-cache-bytes`` whenever an entry is stored, and logs each finished
+  request's tokens, bytes, and the bytes all stored caches hold;
 * the request checks and the restarting generation loop of :mod:`.server_http`
   and :mod:`.server_requests`: every body is checked before generation (400 naming
   the field); requests naming another ``model``, ``draft_model`` or ``adapters``
-  are refused unless ``--allow-model-switch``; CORS allows no origin unless
+  are refused unless ``--allow-model-switch``; a client's own chat template unless
+  ``--allow-chat-template``; prompts over the model's context unless
+  ``--max-prompt-tokens`` raises it; CORS allows no origin unless
   ``--allowed-origins`` names them.
 
-The caches rewind :data:`DEFAULT_MAX_REWIND` tokens exactly unless ``--max-rewind``
-says otherwise (``--num-draft-tokens`` at least, with a draft model; 0 with
-``--kv-bits``, whose caches cannot rewind), and prompts leave a checkpoint every
-``--checkpoint-every`` tokens (default: the rewind depth), so that a new prompt reuses
-every token it shares with a stored one.
+Prompts are processed in calls of ``--prefill-step-size`` tokens (mlx-lm's flag, 2,048 by
+default) at the same positions as ``mlx_lm.generate`` and ``qfilters-mlx generate``, so
+a greedy answer is the library's. The caches rewind :data:`DEFAULT_MAX_REWIND` tokens
+exactly unless ``--max-rewind`` says otherwise (``--num-draft-tokens`` at least, with a
+draft model; 0 with ``--kv-bits``, whose caches cannot rewind).
 
 The configuration is printed at start, and the log names the filter in use and where it came
 from. The default is the library's: the model's calibrated query filter, found or made once by
@@ -45,24 +48,21 @@ import sys
 from pathlib import Path
 
 __all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser",
-           "checkpoint_every", "run"]
+           "context_length", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
 _BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by run; None: defaults)
 
 DEFAULT_MAX_REWIND = 64
 """Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
-otherwise: a stored conversation or checkpoint is then reused by a prompt that leaves it up to
-this many tokens before its end, and a draft model may propose up to this many tokens. With a
-checkpoint every ``--checkpoint-every`` (default: this many) tokens, every prefix of a stored
-prompt is within reach. Cost (decode speed, bytes): bench/results/server_soak.md."""
+otherwise: a stored conversation is then reused by a prompt that leaves it up to this many
+tokens before its end (a regenerated answer of up to this many tokens, an edit near the end),
+and a draft model may propose up to this many tokens. Each stored cache keeps at most this
+many rows of rewind journal besides its budget. Cost (decode speed, bytes):
+bench/results/server_soak.md."""
 
 DEFAULT_PROMPT_CACHE_SIZE = 30
 """Stored conversations kept (mlx-lm's default is 10 for full caches)."""
-
-DEFAULT_PROMPT_CHECKPOINTS = 64
-"""Prompt checkpoints kept (the oldest dropped first): each holds at most the budget plus two
-``--checkpoint-every`` chunks of rows per layer."""
 
 
 def add_parser(sub) -> None:
@@ -98,19 +98,14 @@ def cache_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 8 MiB; larger: 413)")
     s.add_argument("--prompt-cache-size", type=int, default=None, metavar="N",
                    help=f"stored conversations kept for reuse (mlx-lm's flag; default "
-                        f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus one "
-                        f"chunk)")
-    s.add_argument("--checkpoint-every", type=_count, default=None, metavar="TOKENS",
-                   help="store a checkpoint of each prompt's cache every TOKENS prompt tokens, "
-                        "reused by later prompts sharing that much (default: the rewind depth, "
-                        f"--max-rewind, {DEFAULT_MAX_REWIND} here, so every shared prefix is "
-                        "reused exactly; 0: only mlx-lm's checkpoints, at the end of the system "
-                        "prompt and of the prompt)")
-    s.add_argument("--prompt-checkpoints", type=_count, default=DEFAULT_PROMPT_CHECKPOINTS,
-                   metavar="N",
-                   help=f"checkpoints kept (default {DEFAULT_PROMPT_CHECKPOINTS}; the oldest are "
-                        f"dropped first; each holds at most the budget plus 2 x --checkpoint-every "
-                        f"rows per layer; --prompt-cache-bytes counts them with the conversations)")
+                        f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus the "
+                        f"rewind journal, twice when its answer is longer than --max-rewind)")
+    s.add_argument("--allow-chat-template", action="store_true",
+                   help="let requests bring their own chat template (chat_template, or "
+                        "chat_template_kwargs.chat_template); off by default: such requests get 400")
+    s.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
+                   help="longest prompt in tokens (default: the model's context, "
+                        "max_position_embeddings; longer: 400)")
     return p
 
 
@@ -121,29 +116,26 @@ def _builder():
     return _BUILDER if _BUILDER is not None else KVCacheBuilder()
 
 
-def checkpoint_every(given: int | None, config) -> int:
-    """Tokens between prompt checkpoints: ``given`` (``--checkpoint-every``), else the caches'
-    rewind depth ``config.qfilters_max_rewind`` (every shared prefix is then within one rewind
-    of a checkpoint), 0 for ``method="full"`` (a full cache rewinds anywhere). A spacing over
-    the depth + 1 is said on stderr (prefixes between checkpoints then reuse less)."""
-    if config.method == "full":
-        return 0 if given is None else given
-    rewind = _builder().options_for(config).max_rewind
-    rewind = 0 if rewind == "auto" else rewind  # (quantized: no journal; stored caches evicted)
-    every = rewind if given is None else given
-    if every - 1 > rewind:
-        print(f"qfilters-mlx server: --checkpoint-every {every} is more than the rewind depth "
-              f"({rewind}) + 1: a prompt whose shared prefix ends more than {rewind} tokens before "
-              f"the next checkpoint reuses only the checkpoint below it", file=sys.stderr)
-    return every
-
-
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
     n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def context_length(model) -> int | None:
+    """The model's context in tokens (``max_position_embeddings`` of its args, or of their
+    ``text_config``), or ``None`` when it does not say."""
+    args = getattr(model, "args", None)
+    for where in (args, getattr(args, "text_config", None)):
+        if isinstance(where, dict):
+            n = where.get("max_position_embeddings")
+        else:
+            n = getattr(where, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
 
 
 def _served(cache_args, model_path):
@@ -163,11 +155,12 @@ def _served(cache_args, model_path):
                   allow_switch=cache_args.allow_model_switch,
                   max_rewind=_builder().options_for(_CONFIG).max_rewind,
                   has_draft=cache_args.draft_model is not None,
-                  default_draft_tokens=cache_args.num_draft_tokens)
+                  default_draft_tokens=cache_args.num_draft_tokens,
+                  allow_chat_template=cache_args.allow_chat_template,
+                  max_prompt_tokens=cache_args.max_prompt_tokens)
 
 
-def _classes(served=None, max_body_bytes=None, checkpoint_every=0,
-             max_checkpoints=DEFAULT_PROMPT_CHECKPOINTS):
+def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None):
     """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
     import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
@@ -220,11 +213,12 @@ def _classes(served=None, max_body_bytes=None, checkpoint_every=0,
             if self.served is not None:
                 self.served.vocab_size = _vocab_size(self.model, self.tokenizer)
                 self.served.takes_images = self.processor is not None
+                self.served.max_prompt_tokens = (max_prompt_tokens if max_prompt_tokens is not None
+                                                 else context_length(self.model))
 
-    prompt_cache = prompt_cache_class(cache_module, max_checkpoints)
+    prompt_cache = prompt_cache_class(cache_module)
     handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES)
-    return (server, QFiltersModelProvider, prompt_cache, generator_class(server, checkpoint_every),
-            handler)
+    return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
 
 
 def _vocab_size(model, tokenizer) -> int:
@@ -275,7 +269,6 @@ def run(parser, args, blas_library: str | None = None) -> int:
                                     if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
     _BUILDER = builder_from_args(ours, cache_args)
-    every = checkpoint_every(cache_args.checkpoint_every, _CONFIG)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
                  "--num-draft-tokens", str(cache_args.num_draft_tokens)]
@@ -292,11 +285,10 @@ def run(parser, args, blas_library: str | None = None) -> int:
     else:
         rest.append("--help")
     server, provider, prompt_cache, generator, handler = _classes(
-        served, cache_args.max_body_bytes, every, cache_args.prompt_checkpoints)
+        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens)
     options = _builder().options_for(_CONFIG)
     print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind} "
-          f"backend={options.backend} checkpoint_every={every} "
-          f"prompt_checkpoints={cache_args.prompt_checkpoints}"
+          f"backend={options.backend}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
     http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider, prompt_cache

@@ -1,38 +1,39 @@
-"""Stored conversations and prompt checkpoints of ``qfilters-mlx server``: mlx-lm's
-``LRUPromptCache`` for caches that rewind only so far.
+"""Stored conversations of ``qfilters-mlx server``: mlx-lm's ``LRUPromptCache`` for caches
+that hold a fixed budget and rewind only so far.
 
-mlx-lm reuses a stored cache for a new prompt in three ways: the stored tokens
-are the prompt (exact), a prefix of it (``shorter``: continue from there), or they
-run past where the prompt leaves them (``longer``: ``trim`` the copy back to the
-shared prefix). It decides the last from ``is_trimmable()``, and drops every stored
-prefix of a trimmable conversation ("they just take space"). An eviction cache
-rewinds only its last ``qfilters_max_rewind`` tokens after an eviction
-(:attr:`QFiltersKVCache.rewindable_tokens`), so here:
+mlx-lm's server stores a copy of a request's cache at the end of each prompt *segment*
+(the system prompt: type ``"system"``; the prompt but its last token: ``"user"``) and at
+the end of the answer (``"assistant"``: prompt and answer). A new prompt reuses the stored
+entry that shares most with it: the stored tokens are the prompt or a prefix of it
+(continue from there), or they run past where the prompt leaves them (``trim`` a copy back
+to the shared prefix). Here, for eviction caches:
 
-* **checkpoints**: mlx-lm's server stores a copy of a request's cache at the end of
-  each prompt *segment* (the system prompt, the prompt but its last token: cache
-  types ``"system"`` and ``"user"``). :func:`checkpoint_segments` cuts the segments
-  further at every multiple of ``every`` tokens of the prompt, so a prompt leaves a
-  checkpoint every ``every`` tokens. With ``every <= qfilters_max_rewind`` every
-  prefix of a stored prompt is within one rewind of a checkpoint: a new prompt
-  sharing ``c`` tokens with it reuses exactly ``c`` (mlx-lm's rule for its own
-  trimmable caches, ``min(len(prompt) - 1, c)``). Each checkpoint of an evicting
-  cache holds the budget plus the rows its last chunks dropped (kept for exact
-  rewinds, :mod:`qfilters_mlx.cache.journal`), at most ``budget + 2 every`` rows per layer.
-* ``longer`` is used when every cache of the entry can rewind the tokens it must
-  (:func:`rewind_reach`), and the trim is checked to have removed exactly that many;
-  otherwise the longest stored prefix is used, as mlx-lm does for untrimmable caches.
-  No trim the cache cannot do is ever attempted. The last prompt token is always left
-  to compute (mlx-lm's exact match would leave none, which its batch loop refuses).
-* a stored prefix is dropped only when the new entry serves every prompt the prefix
-  served (:func:`covers`).
-* bounds: ``max_size`` conversations (finished requests, type ``"assistant"``) and
-  ``max_checkpoints`` checkpoints, each dropped oldest first; mlx-lm's byte bound
-  (``--prompt-cache-bytes``) counts both, with the same bytes (``nbytes``).
+* **what an entry holds at rest**: each stored cache is cut to what it needs
+  (:meth:`QFiltersKVCache.shrink_to_fit`): its kept rows (the budget; ``budget + 1`` slots
+  in decode) and at most ``qfilters_max_rewind`` rows of rewind journal, as buffers of its
+  own (a copy that is a view of a batch's or a prefill chunk's larger buffer would keep
+  that buffer alive). The bytes counted (``nbytes``) are then the bytes the process holds.
+* **which entries are kept** (per conversation at most a prompt checkpoint and its answer,
+  whatever the prompt length; :func:`drops_prefix`): a new entry drops every stored entry
+  it extends, except a ``"system"`` checkpoint (shared by conversations with the same
+  system prompt) and the ``"user"`` checkpoint of its own prompt, while the new entry
+  cannot rewind back to them. A follow-up turn extends the stored answer; a regenerated
+  answer (the same prompt again) is served by the answer rewound over its own tokens, or
+  by the prompt checkpoint when the answer is longer than the rewind depth.
+* **bounds**, checked whenever an entry is stored, oldest dropped first (mlx-lm's order):
+  ``max_size`` answers (``--prompt-cache-size``), ``max_size`` checkpoints, and
+  ``max_bytes`` bytes (``--prompt-cache-bytes``) over all entries.
+* **reuse**: ``longer`` (a trim of a stored entry) only when every cache of the entry can
+  rewind the tokens it must (:func:`rewind_reach`), checked to have removed exactly that
+  many; otherwise the longest stored prefix, as mlx-lm does for untrimmable caches. No trim
+  a cache cannot do is ever attempted. The last prompt token is always left to compute.
+* **prefill**: :func:`prefill_segments` cuts a prompt's segments at every multiple of the
+  prefill step (``--prefill-step-size``), so that the prompt is processed in the calls
+  ``mlx_lm.generate`` (and ``qfilters-mlx generate``) makes: ``[0, step)``, ``[step, 2
+  step)``, ... Those cuts are typed :data:`PREFILL` and never stored.
 
-The log line of a finished request (:func:`request_summary`) compares kept K/V
-bytes with a full cache's K/V bytes for the same tokens (like with like), and gives
-the bytes every stored conversation holds (``nbytes``, as the caches count them).
+The log line of a finished request (:func:`request_summary`) compares kept K/V bytes with a
+full cache's K/V bytes for the same tokens, and gives the bytes every stored entry holds.
 """
 
 from __future__ import annotations
@@ -41,44 +42,61 @@ import copy
 import logging
 import math
 
-__all__ = ["CHECKPOINT_TYPES", "checkpoint_segments", "covers", "prompt_cache_class", "request_summary",
-           "rewind_reach", "stored_rows"]
+__all__ = ["CHECKPOINT_TYPES", "PREFILL", "drops_prefix", "journal_rows", "prefill_segments",
+           "process_memory", "prompt_cache_class", "request_summary", "rewind_reach", "stored_rows"]
 
 CHECKPOINT_TYPES = ("user", "system")
-"""mlx-lm's cache types of prompt checkpoints (dropped in this order, oldest first)."""
+"""mlx-lm's cache types of prompt checkpoints."""
+
+PREFILL = "prefill"
+"""Cache type of a cut made only to align prefill calls: never stored."""
 
 
-def checkpoint_segments(segments, types, every: int):
+def prefill_segments(segments, types, step: int):
     """mlx-lm's prompt ``segments`` (lists of token ids, in prompt order) and their cache
-    ``types``, cut at every multiple of ``every`` tokens of the whole prompt (absolute
-    positions, so a prompt cut the same way whatever part of it came from a stored cache).
+    ``types``, cut at every multiple of ``step`` tokens of the whole prompt (absolute
+    positions: the same cuts whatever part of the prompt a stored cache supplies).
 
-    Each piece but the last of a segment is typed ``"user"`` (a checkpoint); the last piece
-    keeps the segment's type. ``every <= 0``: unchanged.
+    Each piece but the last of a segment is typed :data:`PREFILL`; the last keeps the
+    segment's type. ``step <= 0``: unchanged.
 
     Returns:
         ``(pieces, types)``: lists of equal length; the pieces joined are the segments joined.
     """
-    if every <= 0:
+    if step <= 0:
         return list(segments), list(types)
     pieces, kinds, start = [], [], 0
     for segment, kind in zip(segments, types):
         end = start + len(segment)
-        bounds = [start, *range((start // every + 1) * every, end, every), end]
+        bounds = [start, *range((start // step + 1) * step, end, step), end]
         for a, b in zip(bounds, bounds[1:]):
             pieces.append(segment[a - start:b - start])
-            kinds.append("user")
+            kinds.append(PREFILL)
         kinds[-1] = kind
         start = end
+    if len(pieces) > 1 and len(pieces[-1]) == 1 and kinds[-2] == PREFILL:
+        kinds[-2] = kinds[-1]  # (mlx-lm computes a one-token last piece as the prompt's end:
+        # the checkpoint of the segment is then where that piece starts)
     return pieces, kinds
 
 
-def covers(new_length: int, new_reach: float, old_length: int, old_reach: float) -> bool:
-    """Whether a stored entry of ``new_length`` tokens that can rewind ``new_reach`` serves
-    every prompt a stored prefix of it (``old_length`` tokens, rewinding ``old_reach``)
-    serves: those sharing at least ``old_length - old_reach`` tokens with it. The new entry
-    reuses exactly the shared tokens for prompts sharing ``new_length - new_reach`` or more."""
-    return new_length - new_reach <= old_length - old_reach
+def drops_prefix(new_type: str, new_length: int, new_reach: float, old_type: str,
+                 old_length: int) -> bool:
+    """Whether storing an entry (``new_type``, ``new_length`` tokens, rewinding
+    ``new_reach``) drops a stored entry that is a prefix of it (``old_type``,
+    ``old_length < new_length`` tokens).
+
+    Always when the new entry can rewind back to the old one's end (it serves the same
+    prompts); otherwise a ``"system"`` checkpoint is kept (other conversations start with
+    it), and so is a ``"user"`` checkpoint under an ``"assistant"`` entry (its own prompt:
+    a regenerated answer reuses it); everything else is dropped (an older turn of the same
+    conversation, a checkpoint the new one extends).
+    """
+    if new_length - new_reach <= old_length:
+        return True
+    if old_type == "system":
+        return False
+    return not (old_type == "user" and new_type == "assistant")
 
 
 def rewind_reach(caches) -> float:
@@ -94,28 +112,51 @@ def rewind_reach(caches) -> float:
     return reach
 
 
+def journal_rows(cache) -> int:
+    """Rows of rewind journal a stored eviction cache keeps: its rewind depth
+    (``max_rewind``; 0 when it is ``"auto"``, i.e. no depth was asked for)."""
+    depth = getattr(cache, "max_rewind", 0)
+    return depth if isinstance(depth, int) else 0
+
+
 def stored_rows(caches) -> int:
-    """Rows per layer a stored conversation holds: the largest K/V buffer over its layers
-    (allocated rows, live or not), plus the rows its rewind journal keeps."""
+    """Rows per layer a stored entry holds: the largest K/V buffer over its layers
+    (allocated rows, live or not), plus the K/V rows its rewind journal keeps."""
+    from qfilters_mlx.cache.journal import record_rows
+
     rows = 0
     for c in caches:
         keys = getattr(c, "keys", None)
         n = 0 if keys is None else (keys[0] if isinstance(keys, tuple) else keys).shape[2]
         journal = getattr(c, "_journal", None)
         if journal is not None:
-            for r in journal.records:
-                dropped = getattr(r, "dropped", None)
-                if dropped is not None:
-                    n += dropped[0].shape[2]
+            n += sum(record_rows(r) for r in journal.records)
         rows = max(rows, n)
     return rows
+
+
+def process_memory() -> dict:
+    """What the process holds now: MLX's ``active_bytes`` and ``peak_bytes``
+    (``mx.get_active_memory`` / ``get_peak_memory``: arrays alive, on every device) and the
+    resident set ``rss_bytes`` (Linux ``/proc/self/statm``; ``None`` elsewhere)."""
+    import mlx.core as mx
+
+    rss = None
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory(),
+            "rss_bytes": rss}
 
 
 def request_summary(caches, prompt_tokens: int) -> str:
     """One log line for a finished request: tokens seen and kept; the kept K/V rows' bytes
     against the K/V bytes a full cache holds for the same tokens (both rows x row bytes);
-    and everything the caches hold (``nbytes``: buffers with spare rows, scores, filter,
-    rewind journal)."""
+    and everything the caches hold (``nbytes``: buffers, scores, filter, rewind journal)."""
     ours = [c for c in caches if hasattr(c, "tokens_kept")]
     if not ours:
         return f"request done: {prompt_tokens} tokens, no eviction caches"
@@ -129,69 +170,78 @@ def request_summary(caches, prompt_tokens: int) -> str:
             f"(buffers, scores, filter, rewind journal)")
 
 
-def prompt_cache_class(cache_module, max_checkpoints: int = 64):
-    """``LRUPromptCache`` of ``cache_module`` (``mlx_lm.models.cache``) as described above,
-    keeping at most ``max_checkpoints`` checkpoints (``StoredConversations(max_size)``: at most
-    ``max_size`` conversations)."""
+def prompt_cache_class(cache_module):
+    """``LRUPromptCache`` of ``cache_module`` (``mlx_lm.models.cache``) as described above:
+    ``StoredConversations(max_size, max_bytes=None)``."""
+    from qfilters_mlx.commands.server_trie import linear_trie_class
 
-    class ReachTrie(cache_module.PromptTrie):
-        """mlx-lm's trie; ``pop_prefixes`` drops only the prefixes the new entry (rewinding
-        ``reach``) :func:`covers`."""
-
-        reach = math.inf
-
-        def pop_prefixes(self, model, tokens):
-            if self.reach == math.inf:
-                return super().pop_prefixes(model, tokens)
-            values, current = [], self._trie[model]
-            for i, tok in enumerate(tokens):
-                value = current.get("__value__")
-                if value is not None and covers(len(tokens), self.reach, i,
-                                                rewind_reach(value.prompt_cache)):
-                    values.append((i, current.pop("__value__")))
-                current = current[tok]
-            return values
+    LinearTrie = linear_trie_class(cache_module)
 
     class StoredConversations(cache_module.LRUPromptCache):
-        """mlx-lm's prompt cache that never asks a cache for a rewind it cannot do, and keeps
-        at most ``max_size`` conversations and ``max_checkpoints`` checkpoints.
+        """mlx-lm's prompt cache holding, per conversation, at most a prompt checkpoint and
+        its answer, each cut to the budget plus the rewind journal (see the module docstring).
+
+        Args:
+            max_size: answers kept (and, apart, checkpoints kept).
+            max_bytes: bytes all entries may hold together (``None``: no bound).
 
         Attributes:
             finishing: set by the generation loop just before it stores a finished
                 request's cache (that insert is logged with :func:`request_summary`).
         """
 
-        def __init__(self, max_size: int = 10, *args, **kwargs):
-            super().__init__(max_size, *args, **kwargs)
-            self._trie = ReachTrie()
+        def __init__(self, max_size: int = 10, max_bytes: int | None = None):
+            super().__init__(max_size, 1 << 63 if max_bytes is None else int(max_bytes))
+            self._trie = LinearTrie()
             self.finishing = False
-            self.max_checkpoints = max_checkpoints
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             done, self.finishing = self.finishing, False
-            self._trie.reach = rewind_reach(prompt_cache)
-            limit, self.max_size = self.max_size, math.inf  # (counted per kind below)
-            try:
-                super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-            finally:
-                self._trie.reach, self.max_size = math.inf, limit
+            if cache_type == PREFILL:
+                return
+            for c in prompt_cache:
+                if hasattr(c, "shrink_to_fit"):
+                    c.shrink_to_fit(journal_rows(c))
+            reach = rewind_reach(prompt_cache)
+            entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type)
+            for length, old in self._trie.prefixes(model, tokens):
+                if drops_prefix(cache_type, len(tokens), reach, old.cache_type, length):
+                    self._drop(model, tokens[:length])
+            prev = self._trie.add(model, tokens, entry)
+            if prev is not None:
+                self._count(prev, -1)
+                self._lru.remove(model, tokens)
+            self._count(entry, +1)
+            self._lru.push(model, tokens, cache_type)
             lrus = self._lru._lrus
             while len(lrus["assistant"]) > self.max_size:
                 self._drop(*lrus["assistant"][0])
-            while sum(len(lrus[k]) for k in CHECKPOINT_TYPES) > self.max_checkpoints:
+            while sum(len(lrus[k]) for k in CHECKPOINT_TYPES) > self.max_size:
                 self._drop(*next(lrus[k][0] for k in CHECKPOINT_TYPES if lrus[k]))
+            while self._n_bytes > self.max_bytes and len(self._lru):
+                self._drop(*self._lru.pop(), in_lru=False)
             if done:
                 st = self.stored_stats()
                 logging.info(f"qfilters-mlx: {request_summary(prompt_cache, len(tokens))}; stored: "
                              f"{st['conversations']} conversations and {st['checkpoints']} "
                              f"checkpoints, {self.nbytes / 1e6:.2f} MB")
 
-        def _drop(self, model, tokens) -> None:
-            """Remove one stored entry (trie, LRU order, byte counts), as mlx-lm's ``trim_to``."""
+        def trim_to(self, *, n_sequences=None, n_bytes=None):
+            n_sequences = math.inf if n_sequences is None else max(0, n_sequences)
+            n_bytes = math.inf if n_bytes is None else max(0, n_bytes)
+            while len(self._lru) and (len(self._lru) > n_sequences or self._n_bytes > n_bytes):
+                self._drop(*self._lru.pop(), in_lru=False)
+
+        def _count(self, entry, sign: int) -> None:
+            self._n_bytes += sign * entry.nbytes
+            self._n_bytes_by_type[entry.cache_type] += sign * entry.nbytes
+
+        def _drop(self, model, tokens, in_lru: bool = True) -> None:
+            """Remove one stored entry (trie, LRU order unless already popped, byte counts)."""
             entry = self._trie.pop(model, tokens)
-            self._lru.remove(model, tokens)
-            self._n_bytes -= entry.nbytes
-            self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+            if in_lru:
+                self._lru.remove(model, tokens)
+            self._count(entry, -1)
 
         def fetch_nearest_cache(self, model, tokens):
             head = tokens[:-1]  # the last prompt token is always computed (it gives the logits)
@@ -218,20 +268,27 @@ def prompt_cache_class(cache_module, max_checkpoints: int = 64):
             return None, tokens
 
         def stored_stats(self) -> dict:
-            """``sequences`` stored (``conversations`` + ``checkpoints``), ``bytes`` they hold (the
-            caches' ``nbytes``; ``checkpoint_bytes`` of them in checkpoints), ``rows_per_layer``
-            summed over them (:func:`stored_rows`)."""
+            """``conversations`` (answers) and ``checkpoints`` stored, ``sequences`` (both),
+            ``bytes`` they hold (the caches' ``nbytes``, cut to what they hold at rest;
+            ``checkpoint_bytes`` of them in checkpoints), ``bytes_per_conversation``,
+            ``max_bytes`` (``None``: no bound), ``rows_per_layer`` summed over the entries
+            (:func:`stored_rows`), and the process's memory (:func:`process_memory`)."""
             by_type = self.stats_by_type()
             out = {"conversations": by_type["assistant"]["n_sequences"],
                    "checkpoints": sum(by_type[k]["n_sequences"] for k in CHECKPOINT_TYPES),
-                   "checkpoint_bytes": sum(by_type[k]["n_bytes"] for k in CHECKPOINT_TYPES)}
+                   "checkpoint_bytes": sum(by_type[k]["n_bytes"] for k in CHECKPOINT_TYPES),
+                   "max_bytes": None if self.max_bytes >= 1 << 63 else self.max_bytes,
+                   "process": process_memory()}
+            n = max(out["conversations"], 1)
             for _ in range(5):  # (read from the HTTP thread while the generation loop inserts)
                 try:
                     keys = [k for lru in self._lru._lrus.values() for k in list(lru)]
                     rows = sum(stored_rows(self._trie.get(m, t).prompt_cache) for m, t in keys)
-                    return {"sequences": len(keys), "bytes": self.nbytes, "rows_per_layer": rows, **out}
+                    return {"sequences": len(keys), "bytes": self.nbytes,
+                            "bytes_per_conversation": self.nbytes / n, "rows_per_layer": rows, **out}
                 except (RuntimeError, KeyError):
                     continue
-            return {"sequences": len(self), "bytes": self.nbytes, "rows_per_layer": None, **out}
+            return {"sequences": len(self), "bytes": self.nbytes,
+                    "bytes_per_conversation": self.nbytes / n, "rows_per_layer": None, **out}
 
     return StoredConversations

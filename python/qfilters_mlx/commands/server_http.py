@@ -6,15 +6,19 @@ survive their users (subclasses of ``mlx_lm.server.APIHandler`` and ``ResponseGe
   naming the field (413 over ``--max-body-bytes``, 411 without Content-Length, 400
   for the rest); an error from the generation loop is 400 when the request caused it,
   503 when no generation loop runs, 500 otherwise (mlx-lm answers 404 to all of them).
-  ``/health`` adds the stored conversations (count, ``nbytes`` as the caches count
-  them, rows per layer) and the generation loop's restarts.
+  A request that fails after it was admitted still gets its error: a non-streaming reply
+  is generated whole before its status is sent (an HTTP error, never an empty 200), a
+  streaming one ends with an SSE ``error`` event. ``/health`` adds the stored
+  conversations (count, bytes as held at rest, rows per layer), the process's memory
+  (MLX's active bytes, RSS) and the generation loop's restarts.
 * :func:`generator_class`: the served model is loaded in the generation thread before
   the server answers (a load error, e.g. a bad ``--filters`` file, stops the start);
   the generation loop restarts after an exception that escaped mlx-lm's handling
   (in-flight requests get a 500), instead of dying and leaving every later request a
-  "generation thread died"; a prompt is cut into segments every ``checkpoint_every``
-  tokens (:func:`~.server_cache.checkpoint_segments`: mlx-lm stores a checkpoint at
-  the end of each).
+  "generation thread died"; a prompt over ``Served.max_prompt_tokens`` is refused (400)
+  before any of it is processed; a prompt is cut at every multiple of ``--prefill-step-size``
+  (:func:`~.server_cache.prefill_segments`), so it is prefilled in the calls
+  ``mlx_lm.generate`` makes.
 
 Imported lazily (it imports ``mlx_lm.server``, which imports MLX).
 """
@@ -29,7 +33,7 @@ import time
 import weakref
 from collections import deque
 
-from qfilters_mlx.commands.server_cache import checkpoint_segments
+from qfilters_mlx.commands.server_cache import prefill_segments
 from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES, RequestError, check_body, parse_body
 
 __all__ = ["GenerationFailed", "error_status", "generator_class", "handler_class"]
@@ -40,6 +44,10 @@ RESTART_WINDOW_S = 30.0
 this many seconds: a fault that every pass hits is not retried forever."""
 
 ENDPOINTS = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
+
+
+class _StreamFailed(Exception):
+    """A streamed reply failed after its 200 was sent; its error event is written."""
 
 
 class GenerationFailed(RuntimeError):
@@ -56,8 +64,8 @@ def error_status(err: BaseException) -> int:
         return 503
     if isinstance(err, (ValueError, TypeError, KeyError, IndexError, RequestError)):
         return 400
-    if type(err).__name__ in ("TemplateError", "TemplateSyntaxError", "UndefinedError"):
-        return 400  # jinja2: the chat template refused the messages
+    if any(k.__module__.startswith("jinja2") for k in type(err).__mro__):
+        return 400  # the chat template failed on the messages (or a client's template failed)
     return 500
 
 
@@ -74,10 +82,10 @@ class _Reply:
         self._queue.put(item)
 
 
-def generator_class(server, checkpoint_every: int = 0):
-    """``mlx_lm.server.ResponseGenerator`` whose loop restarts after an uncaught exception and
-    that cuts prompts for a checkpoint every ``checkpoint_every`` tokens (0: mlx-lm's
-    segments only)."""
+def generator_class(server):
+    """``mlx_lm.server.ResponseGenerator`` whose loop restarts after an uncaught exception,
+    that refuses prompts over the served limit and cuts prompts at every multiple of the
+    prefill step (see the module docstring)."""
 
     class RestartingResponseGenerator(server.ResponseGenerator):
         """mlx-lm's generator; its loop never dies from one request (see the module docstring).
@@ -91,6 +99,9 @@ def generator_class(server, checkpoint_every: int = 0):
             self.loop_restarts = 0
             self._loaded = threading.Event()
             self._load_error = None
+            limit = getattr(model_provider.cli_args, "prompt_cache_bytes", None)
+            if limit is not None and hasattr(prompt_cache, "stored_stats"):
+                prompt_cache.max_bytes = int(limit)  # (checked at every insert)
             super().__init__(model_provider, prompt_cache)
             self._loaded.wait()
             if self._load_error is not None:  # the served model or its --filters: no server
@@ -99,8 +110,15 @@ def generator_class(server, checkpoint_every: int = 0):
 
         def _tokenize(self, tokenizer, request, args):
             prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            served = getattr(self.model_provider, "served", None)
+            limit = getattr(served, "max_prompt_tokens", None)
+            if limit is not None and len(prompt) > limit:
+                field = "messages" if request.request_type == "chat" else "prompt"
+                raise RequestError(field, f"the prompt is {len(prompt)} tokens, over the limit of "
+                                          f"{limit} (the model's context unless the server sets "
+                                          "--max-prompt-tokens)")
             if vision is None:  # (requests with images are served whole, without segments)
-                segments, types = checkpoint_segments(segments, types, checkpoint_every)
+                segments, types = prefill_segments(segments, types, self.cli_args.prefill_step_size)
             return prompt, segments, types, state, vision
 
         def _next_request(self, timeout=None):
@@ -146,18 +164,32 @@ def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES):
     """``mlx_lm.server.APIHandler`` that checks requests first (see the module docstring)."""
 
     class _Generate:
-        """The handler's view of the generator: remembers the status of the error it raised."""
+        """The handler's view of the generator: remembers the status of the error it raised;
+        a non-streaming reply is generated whole before the handler sends its status, a
+        streaming one that fails ends with an SSE error event (:class:`_StreamFailed`)."""
 
-        def __init__(self, generator):
+        def __init__(self, generator, handler):
             self._generator = generator
+            self._handler = weakref.ref(handler)
             self.error_status = None
 
         def generate(self, *args, **kwargs):
+            handler = self._handler()
             try:
-                return self._generator.generate(*args, **kwargs)
+                ctx, response = self._generator.generate(*args, **kwargs)
+                if not getattr(handler, "stream", False):
+                    return ctx, iter(list(response))  # (errors raise here, before any status)
             except Exception as err:
                 self.error_status = error_status(err)
                 raise
+            return ctx, self._streamed(response, handler)
+
+        def _streamed(self, response, handler):
+            try:
+                yield from response
+            except Exception as err:  # noqa: BLE001 (the client learns it; the reply ends)
+                handler._stream_error(error_status(err), err)
+                raise _StreamFailed() from err
 
         def __getattr__(self, name):
             return getattr(self._generator, name)
@@ -168,7 +200,24 @@ def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES):
         timeout = 120  # seconds a client may stall while the request is read
 
         def __init__(self, response_generator, *args, **kwargs):
-            super().__init__(_Generate(response_generator), *args, **kwargs)
+            super().__init__(_Generate(response_generator, self), *args, **kwargs)
+
+        def handle_completion(self, request, stop_words):
+            try:
+                return super().handle_completion(request, stop_words)
+            except _StreamFailed:
+                self.close_connection = True  # (the error event was the reply's last)
+
+        def _stream_error(self, status: int, err) -> None:
+            """Write an SSE ``error`` event (OpenAI's shape) on a stream that already sent 200."""
+            logging.warning(f"qfilters-mlx: a streamed reply failed after it started: {err!r}")
+            payload = {"error": {"message": str(err), "code": status, "type": "invalid_request_error"
+                                 if status < 500 else "server_error"}}
+            try:
+                self.wfile.write(f"event: error\ndata: {json.dumps(payload)}\n\n".encode())
+                self.wfile.flush()
+            except OSError:
+                pass  # (the client is gone)
 
         def _error(self, status: int, err) -> None:
             payload = {"error": {"message": str(err), "type": "invalid_request_error"

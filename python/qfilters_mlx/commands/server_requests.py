@@ -20,6 +20,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from qfilters_mlx.commands.server_errors import RequestError
+from qfilters_mlx.commands.server_messages import check_chat_template, check_messages
+
 __all__ = ["MAX_BODY_BYTES", "MAX_JSON_DEPTH", "RequestError", "Served", "check_body", "parse_body"]
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -31,22 +34,15 @@ MAX_JSON_DEPTH = 64
 schemas a few more); Python's parser raises ``RecursionError`` near 1,000."""
 
 MAX_INT = 2**31 - 1  # int fields: what MLX's int32 indices and counters take
+MAX_INT_DIGITS = 64
+"""Longest integer literal in a body, in characters: far above any field's range; Python's
+parser refuses over 4,300 digits with a ``ValueError`` of its own, and converting one costs
+time quadratic in its length."""
 MAX_STOP_WORDS = 16
+MAX_STOP_CHARS = 256
+"""Longest stop string, in characters (each is matched at every generated token)."""
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 11  # mlx-lm's own limit
-
-
-@dataclass
-class RequestError(Exception):
-    """A request the server refuses: ``status`` (HTTP), ``field`` (the body's key, or
-    ``"body"``), ``message`` (what is wrong, for the client)."""
-
-    field: str
-    message: str
-    status: int = 400
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}" if self.field != "body" else self.message
 
 
 @dataclass
@@ -65,6 +61,10 @@ class Served:
         has_draft: a draft model is served.
         default_draft_tokens: ``num_draft_tokens`` of a request that gives none.
         takes_images: the model has an image processor.
+        allow_chat_template: the operator's ``--allow-chat-template``: a body may bring its
+            own chat template (a Jinja program the server runs).
+        max_prompt_tokens: longest prompt in tokens (checked after tokenization, on the
+            generation side); ``None``: no limit.
     """
 
     model_names: set = field(default_factory=lambda: {"default_model"})
@@ -76,6 +76,8 @@ class Served:
     has_draft: bool = False
     default_draft_tokens: int = 3
     takes_images: bool = False
+    allow_chat_template: bool = False
+    max_prompt_tokens: int | None = None
 
 
 def _depth(text: str) -> int:
@@ -104,12 +106,20 @@ def _no_constant(name):
     raise RequestError("body", f"{name} is not a JSON number (NaN and Infinity are refused)")
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise RequestError("body", f"an integer of {len(text.lstrip('-'))} digits (at most "
+                                   f"{MAX_INT_DIGITS})")
+    return int(text)
+
+
 def parse_body(raw: bytes) -> dict:
     """The JSON object of a request body.
 
     Raises:
         RequestError: not UTF-8, nested deeper than :data:`MAX_JSON_DEPTH`, not JSON,
-            ``NaN``/``Infinity`` literals, or not an object (400, field ``"body"``).
+            ``NaN``/``Infinity`` literals, an integer over :data:`MAX_INT_DIGITS` digits, or
+            not an object (400, field ``"body"``).
     """
     try:
         text = raw.decode("utf-8")
@@ -118,9 +128,11 @@ def parse_body(raw: bytes) -> dict:
     if _depth(text) > MAX_JSON_DEPTH:
         raise RequestError("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        body = json.loads(text, parse_constant=_no_constant)
+        body = json.loads(text, parse_constant=_no_constant, parse_int=_bounded_int)
     except json.JSONDecodeError as err:
         raise RequestError("body", f"invalid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # (what the parser raises besides)
+        raise RequestError("body", f"invalid JSON: {err}"[:200]) from None
     if not isinstance(body, dict):
         raise RequestError("body", f"the body must be a JSON object, got {type(body).__name__}")
     return body
@@ -185,6 +197,10 @@ def _stop(body):
         raise RequestError("stop", "must be a non-empty string or a list of non-empty strings")
     if len(words) > MAX_STOP_WORDS:
         raise RequestError("stop", f"at most {MAX_STOP_WORDS} stop strings, got {len(words)}")
+    longest = max(len(w) for w in words)
+    if longest > MAX_STOP_CHARS:
+        raise RequestError("stop", f"a stop string is at most {MAX_STOP_CHARS} characters, got "
+                                   f"{longest}")
 
 
 def _logit_bias(body, vocab_size: int):
@@ -207,70 +223,6 @@ def _logit_bias(body, vocab_size: int):
                                              f"[-100, 100], got {json.dumps(b)[:40]}")
 
 
-def _content(i, content, takes_images: bool):
-    where = f"messages[{i}].content"
-    if content is None or isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise RequestError("messages", f"{where} must be a string, null or a list of parts")
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise RequestError("messages", f"{where}[{j}] must be an object with a string 'type'")
-        if part["type"] == "text":
-            if not isinstance(part.get("text"), str):
-                raise RequestError("messages", f"{where}[{j}].text must be a string")
-        elif part["type"] in ("image_url", "input_image", "image"):
-            if not takes_images:
-                raise RequestError("messages", f"{where}[{j}]: this model takes no images")
-            url = part.get("image_url", part.get("image"))
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url.startswith("data:"):
-                raise RequestError("messages", f"{where}[{j}]: images must be data: URLs "
-                                               "(the server fetches nothing)")
-        else:
-            raise RequestError("messages", f"{where}[{j}]: unsupported part type {part['type'][:40]!r}")
-
-
-def _tool_calls(i, calls):
-    if calls is None:
-        return
-    if not isinstance(calls, list):
-        raise RequestError("messages", f"messages[{i}].tool_calls must be a list")
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict):
-            raise RequestError("messages", f"messages[{i}].tool_calls[{j}].function must be an object")
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                json.loads(args)
-            except json.JSONDecodeError:
-                raise RequestError("messages", f"messages[{i}].tool_calls[{j}].function.arguments "
-                                               "is not JSON") from None
-        elif args is not None and not isinstance(args, dict):
-            raise RequestError("messages", f"messages[{i}].tool_calls[{j}].function.arguments "
-                                           "must be a JSON string or an object")
-
-
-def _messages(body, takes_images: bool):
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError("messages", "must be a non-empty list of messages")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise RequestError("messages", f"messages[{i}] must be an object")
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            raise RequestError("messages", f"messages[{i}].role must be a non-empty string")
-        _content(i, m.get("content"), takes_images)
-        _tool_calls(i, m.get("tool_calls"))
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise RequestError("tools", "must be a list of objects")
-    rm = body.get("role_mapping")
-    if rm is not None and not (isinstance(rm, dict) and all(isinstance(x, str) for x in rm.values())):
-        raise RequestError("role_mapping", "must be an object of strings")
-
-
 def check_body(body: dict, endpoint: str, served: Served) -> dict:
     """Check every field of a chat (``endpoint="chat"``) or text (``"text"``) completion body.
 
@@ -281,7 +233,7 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
         RequestError: the first field that is missing, of the wrong type or out of range.
     """
     if endpoint == "chat":
-        _messages(body, served.takes_images)
+        check_messages(body, served.takes_images)
     else:
         if not isinstance(body.get("prompt"), str) or not body["prompt"]:
             raise RequestError("prompt", "must be a non-empty string")
@@ -317,9 +269,7 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
     _int(body, "seed", 0, 2**63 - 1)
     _stop(body)
     _logit_bias(body, served.vocab_size)
-    ctk = body.get("chat_template_kwargs")
-    if ctk is not None and not isinstance(ctk, dict):
-        raise RequestError("chat_template_kwargs", "must be an object")
+    check_chat_template(body, served.allow_chat_template)
     _int(body, "num_draft_tokens", 0, 64)
     drafting = served.has_draft or body.get("draft_model") not in (None, "default_model")
     ndt = body.get("num_draft_tokens", served.default_draft_tokens)

@@ -1,0 +1,325 @@
+"""Stored conversations of ``qfilters-mlx server`` (``commands/server_cache.py``), without HTTP.
+
+The rules written out here:
+
+* prefill cuts: a prompt's pieces end at every segment end and at every multiple of the
+  prefill step; a piece ending a segment keeps that segment's type, the others are
+  ``"prefill"`` (never stored);
+* at rest: a stored eviction cache holds its kept rows (``budget``, ``budget + 1`` slots in
+  decode) and at most ``max_rewind`` rows of journal, in buffers of its own: the process's
+  active memory grows by what ``nbytes`` counts;
+* kept entries: per conversation at most the prompt checkpoint and the answer (the
+  checkpoint only while the answer cannot rewind back to it), the system checkpoint shared;
+* reuse: a regenerated answer and a follow-up turn reuse what mlx-lm's full caches reuse
+  (``len(prompt) - 1`` and the whole stored answer), with the cache a fresh one fed the same
+  calls would have;
+* bounds: answers and checkpoints by count, all entries by bytes, at every insert, oldest first.
+"""
+
+import copy
+import gc
+import random
+
+import mlx.core as mx
+import mlx_lm.models.cache as cache_module
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers.batch_helpers import config, tiny_llama
+from qfilters_mlx.cache.builder import KVCacheBuilder
+from qfilters_mlx.cache.journal import record_rows
+from qfilters_mlx.commands.server_cache import (PREFILL, drops_prefix, prefill_segments,
+                                                 prompt_cache_class, stored_rows)
+
+BUDGET, REWIND = 16, 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=4), st.integers(0, 17))
+def test_pieces_end_at_segment_ends_and_multiples_of_the_step(lengths, step):
+    types = ["system", "user", "assistant", "user"][: len(lengths)]
+    segments, start = [], 0
+    for n in lengths:
+        segments.append(list(range(start, start + n)))
+        start += n
+    pieces, kinds = prefill_segments(segments, types, step)
+    assert sum(pieces, []) == list(range(start)) and all(pieces)
+    ends = {sum(lengths[: i + 1]): types[i] for i in range(len(lengths))}
+    cuts = set(range(step, start, step)) if step > 0 else set()
+    expected = sorted(set(ends) | cuts)
+    got, pos = [], 0
+    for p in pieces:
+        pos += len(p)
+        got.append(pos)
+    assert got == expected
+    want = [ends.get(e, PREFILL) for e in expected]
+    if len(pieces) > 1 and len(pieces[-1]) == 1 and want[-2] == PREFILL:
+        want[-2] = want[-1]  # a one-token last piece: the checkpoint moves to where it starts
+    assert kinds == want
+
+
+@pytest.mark.parametrize("new_type,new_len,reach,old_type,old_len,dropped", [
+    ("assistant", 50, 10, "user", 40, True),  # the answer rewinds back to its prompt
+    ("assistant", 50, 9, "user", 40, False),  # one token short: the prompt checkpoint stays
+    ("assistant", 50, 0, "system", 10, False),
+    ("user", 50, 0, "system", 10, False),
+    ("user", 90, 0, "assistant", 50, True),  # a follow-up turn drops the turn it extends
+    ("user", 90, 0, "user", 40, True),
+    ("assistant", 90, 0, "assistant", 50, True),
+    ("assistant", 50, float("inf"), "system", 10, True),  # a full cache rewinds anywhere
+])
+def test_which_prefixes_a_new_entry_drops(new_type, new_len, reach, old_type, old_len, dropped):
+    assert drops_prefix(new_type, new_len, reach, old_type, old_len) is dropped
+
+
+def _tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(1, 90) for _ in range(n)]
+
+
+def _build(model, cfg, rewind=REWIND, bits=None):
+    return KVCacheBuilder.for_model(model, cfg, max_rewind=rewind, kv_bits=bits,
+                                    kv_group_size=None if bits is None else 32)
+
+
+def _run(model, cfg, calls, decode=(), **build):
+    """Caches fed ``calls`` (lists of token ids, one model call each), then ``decode`` one
+    token per call."""
+    caches = _build(model, cfg, **build)
+    for c in [*calls, *([t] for t in decode)]:
+        model(mx.array([c]), cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def _same(a, b):
+    """Same tokens seen, same kept positions; K/V and scores equal up to float32 rounding."""
+    for x, y in zip(a, b):
+        assert x.offset == y.offset and x.size() == y.size()
+        assert mx.array_equal(x.kept_positions(), y.kept_positions()).item()
+        sx, sy = x.state, y.state
+        for u, v in zip(sx[:3], sy[:3]):
+            assert mx.allclose(u, v, rtol=1e-5, atol=1e-4).item()
+
+
+def _active():
+    gc.collect()
+    mx.synchronize()
+    return mx.get_active_memory()
+
+
+def _wide_llama():
+    """A 2-layer float32 llama with head_dim 64 (2 KV heads): a K/V row is 1 KiB per layer,
+    so the bytes of a cache dwarf the allocator's rounding of its small arrays."""
+    from mlx.utils import tree_map
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=96, head_dim=64, tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.update(tree_map(lambda p: p * 3, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+WIDE = dict(qfilters_budget=64, qfilters_recent=16)
+
+
+@pytest.mark.parametrize("case", ["slots", "chunk", "before-eviction", "quantized"])
+def test_shrink_to_fit_keeps_outputs_and_holds_only_what_it_counts(case):
+    """Every way a cache can be at rest: in slot mode after decode steps, right after a long
+    multi-token call (its journal record holds the call's dropped rows), before any eviction
+    (buffers in step blocks), quantized (no journal). After ``shrink_to_fit(REWIND)``: rows
+    at most budget + 1 plus REWIND of journal; the process holds what ``nbytes`` counts (an
+    unshrunk copy holds more: the control); the next calls give the outputs of the unshrunk
+    cache; every rewind still in reach is exact."""
+    model = _wide_llama()
+    cfg = config(**WIDE)
+    build = dict(rewind=0, bits=8) if case == "quantized" else {}
+    toks = _tokens(900, 1)
+    calls = {"slots": ([toks[:800]], toks[800:830]), "chunk": ([toks[:100], toks[100:900]], ()),
+             "before-eviction": ([toks[:40]], toks[40:42]),
+             "quantized": ([toks[:800]], toks[800:830])}[case]
+    held = {}
+    for shrink in (False, True):
+        base = _active()
+        copied = copy.deepcopy(_run(model, cfg, *calls, **build))  # (the original is dropped)
+        if shrink:
+            for c in copied:
+                c.shrink_to_fit(REWIND)
+        held[shrink] = _active() - base  # what the process holds for the copy
+        if not shrink:
+            del copied
+    counted = sum(c.nbytes for c in copied)
+    assert abs(held[True] - counted) <= 0.05 * counted + 16384, (held, counted)  # (other tests)
+    if case in ("slots", "chunk"):
+        assert held[False] > 1.5 * counted  # (the control: views of larger buffers, a journal)
+    reference = _run(model, cfg, *calls, **build)  # the unshrunk cache, rebuilt
+    rows = stored_rows(copied)
+    assert rows <= 64 + 1 + REWIND, rows
+    assert all(sum(record_rows(r) for r in c._journal.records) <= REWIND for c in copied)
+    reach = min(c.rewindable_tokens for c in copied)
+    assert reach <= min(c.rewindable_tokens for c in reference)
+    for n in sorted({0, min(1, reach), reach}):
+        a, b = copy.deepcopy(copied), copy.deepcopy(reference)
+        assert all(c.trim(n) == n for c in a) and all(c.trim(n) == n for c in b)
+        x = mx.array([_tokens(3, 7 + n)])
+        assert mx.allclose(model(x, cache=a), model(x, cache=b), atol=1e-4).item()
+        for t in _tokens(6, 9):
+            assert mx.allclose(model(mx.array([[t]]), cache=a), model(mx.array([[t]]), cache=b),
+                               atol=1e-4).item()
+        _same(a, b)
+
+
+def _store(max_size=10, max_bytes=None):
+    return prompt_cache_class(cache_module)(max_size, max_bytes)
+
+
+def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0):
+    """What the server's batch loop does for one chat request: reuse the nearest stored
+    entry, feed the rest (segments: system prompt, prompt but its last token, in one call
+    each), store the checkpoints, decode ``answer_tokens`` tokens and store the answer.
+    Returns (tokens reused, the answer's tokens)."""
+    cache, rest = store.fetch_nearest_cache("m", prompt)
+    reused = len(prompt) - len(rest)
+    caches = cache if cache is not None else _build(model, cfg)
+    segments = [(prompt[:sys_end], "system"), (prompt[sys_end:-1], "user")]
+    done = 0
+    for seg, kind in segments:
+        lo, hi = done, done + len(seg)
+        done = hi
+        if hi <= reused or not seg:
+            continue
+        model(mx.array([prompt[max(lo, reused):hi]]), cache=caches)
+        store.insert_cache("m", prompt[:hi], copy.deepcopy(caches), cache_type=kind)
+    y, out = prompt[-1], []
+    for _ in range(answer_tokens):
+        logits = model(mx.array([[y]]), cache=caches)[0, -1]
+        y = int(mx.argmax(logits).item())
+        out.append(y)
+    # (mlx-lm's batch has fed the last sampled token too when it stores the answer)
+    model(mx.array([[y]]), cache=caches)
+    store.insert_cache("m", prompt + out, copy.deepcopy(caches), cache_type="assistant")
+    return reused, out
+
+
+@pytest.mark.parametrize("answer", [4, 12])
+def test_a_conversation_holds_a_checkpoint_and_its_answer_at_most(answer):
+    """Short answers (within the rewind depth): one entry per conversation besides the shared
+    system prompt; long answers: the prompt checkpoint stays for a regenerated answer. A
+    follow-up turn replaces the turn it extends. Every entry within budget + 1 + REWIND rows."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    system = _tokens(6, 0)
+    for i in range(3):
+        _serve(store, model, cfg, system + _tokens(40, 10 + i), answer, sys_end=6)
+    st_ = store.stored_stats()
+    assert st_["conversations"] == 3
+    assert st_["checkpoints"] == 1 + (3 if answer + 1 > REWIND else 0)
+    for lru in store._lru._lrus.values():
+        for m, t in lru:
+            assert stored_rows(store._trie.get(m, t).prompt_cache) <= BUDGET + 1 + REWIND
+    per_entry = max(sum(c.nbytes for c in store._trie.get(m, t).prompt_cache)
+                    for lru in store._lru._lrus.values() for m, t in lru)
+    assert st_["bytes"] <= 3 * (2 if answer + 1 > REWIND else 1) * per_entry + per_entry
+    # a follow-up turn of the first conversation: its older entries go
+    first = system + _tokens(40, 10)
+    _, out = _serve(store, model, cfg, first, answer, sys_end=6)
+    follow = first + out + _tokens(30, 99)
+    reused, _ = _serve(store, model, cfg, follow, answer, sys_end=6)
+    assert reused == len(first) + len(out)  # the whole stored answer (a prefix of the turn)
+    assert store.stored_stats()["conversations"] == 3
+
+
+@pytest.mark.parametrize("answer", [4, 12])
+def test_regenerated_answers_follow_ups_and_shared_system_prompts_reuse_like_a_full_cache(answer):
+    """The reuse mlx-lm's full caches get (``min(len(prompt) - 1, shared)``) for a regenerated
+    answer, a follow-up turn and a new conversation under the same system prompt (which shares
+    ``sys_end`` tokens), with the cache of a fresh run fed the same calls."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    system = _tokens(6, 0)
+    prompt = system + _tokens(40, 1)
+    _serve(store, model, cfg, prompt, answer, sys_end=6)
+    cache, rest = store.fetch_nearest_cache("m", prompt)  # the same prompt again
+    assert len(rest) == 1
+    _same(cache, _run(model, cfg, [prompt[:6], prompt[6:-1]]))
+    _, out = _serve(store, model, cfg, prompt, answer, sys_end=6)
+    follow = prompt + out + _tokens(20, 2)
+    cache, rest = store.fetch_nearest_cache("m", follow)
+    assert len(follow) - len(rest) == len(prompt) + len(out)
+    other = system + _tokens(30, 3)
+    cache, rest = store.fetch_nearest_cache("m", other)
+    assert len(other) - len(rest) == 6
+    _same(cache, _run(model, cfg, [system]))
+
+
+def test_stored_bytes_are_bounded_at_every_insert_oldest_first():
+    model = tiny_llama()
+    cfg = config()
+    one = _store()
+    _serve(one, model, cfg, _tokens(40, 0), 4)
+    entry = one.nbytes
+    store = _store(max_size=100, max_bytes=int(2.5 * entry))
+    prompts = [_tokens(40, 20 + i) for i in range(5)]
+    for p in prompts:
+        _serve(store, model, cfg, p, 4)
+        assert store.nbytes <= 2.5 * entry
+    assert store.stored_stats()["conversations"] == 2
+    for p, kept in zip(prompts, [False, False, False, True, True]):
+        _, rest = store.fetch_nearest_cache("m", p + [0])
+        assert (len(rest) < len(p)) == kept
+
+
+def _trie_paths(rng, n, depth):
+    paths = []
+    for _ in range(n):
+        base = rng.choice(paths) if paths and rng.random() < 0.6 else []
+        cut = rng.randrange(len(base) + 1) if base else 0
+        paths.append(base[:cut] + [rng.randrange(4) for _ in range(rng.randrange(1, depth))])
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_linear_trie_search_finds_what_mlx_lms_finds(seed):
+    """Exact, shorter, common prefix equal to mlx-lm's ``PromptTrie.search``; the longer entry
+    is one of the shortest extensions (mlx-lm's order among equal lengths is its own)."""
+    from qfilters_mlx.commands.server_cache import prompt_cache_class
+
+    rng = random.Random(seed)
+    ours = prompt_cache_class(cache_module)()._trie
+    ref = cache_module.PromptTrie()
+    stored = _trie_paths(rng, 12, 12)
+    for p in stored:
+        ours.add("m", p, object())
+        ref.add("m", p, object())
+    for q in _trie_paths(rng, 20, 14) + stored:
+        a, b = ours.search("m", q), ref.search("m", q)
+        assert (a.exact, a.shorter, a.common_prefix) == (b.exact, b.shorter, b.common_prefix)
+        assert (a.longer is None) == (b.longer is None)
+        if a.longer is not None:
+            assert len(a.longer) == len(b.longer) and a.longer[: a.common_prefix] == q[: a.common_prefix]
+            assert a.longer in stored
+
+
+def test_the_trie_search_is_linear_in_a_long_stored_entry():
+    """mlx-lm's search copies the path at every node below the divergence (quadratic: about
+    1.8 x 10^9 list items for this entry); ours walks it once: it costs about what storing
+    the entry costs (paired, same process), not thousands of times more."""
+    import time
+
+    trie = prompt_cache_class(cache_module)()._trie
+    long = list(range(60_000))
+    t = time.perf_counter()
+    trie.add("m", long, object())
+    add = time.perf_counter() - t
+    t = time.perf_counter()
+    result = trie.search("m", [0, 1, -5])
+    search = time.perf_counter() - t
+    assert result.longer == long and result.common_prefix == 2
+    assert search < 20 * add + 0.05, (search, add)
