@@ -6,9 +6,11 @@ tokens of the calibration text, 4 sinks, recent window budget/2): is it ever wor
 StreamingLLM that mlx-lm gives for free (``RotatingKVCache``), and what StreamingLLM budget does
 it equal? Every cell is streaming eviction simulated in one forward pass
 (:mod:`qfilters_mlx.evaluation.simulate`: the per-token NLLs of the caches fed token by token,
-tested): a 128-token first call, then token by token, 1,920 scored tokens per segment.
+tested): a 128-token first call, then token by token, 896 scored tokens per segment (1,024-token
+segments: on this shared 2-core machine a 2,048-token cell costs about 90 s, a 1,024-token one
+about a third of it; at budget 512 eviction then runs in the last 511 tokens only).
 
-Segments (2,048 tokens each, disjoint from the calibration text, characters 300,155 to 360,155
+Segments (1,024 tokens each, disjoint from the calibration text, characters 300,155 to 360,155
 of the joined ``pydoc_data.topics`` text, :func:`qfilters_mlx.assets.prompts.calibration_text`):
 
 * ``prose-0``, ``prose-100k``, ``prose-150k``: CPython's reference documentation (the joined
@@ -59,7 +61,7 @@ from qfilters_mlx.evaluation.perplexity import full_cache_nll, perplexity
 from qfilters_mlx.evaluation.pooled import equivalent_budget, pooled_ratio_bootstrap
 from qfilters_mlx.evaluation.simulate import MaskedArm, oracle_arms, simulated_nll
 
-PREFIX, TOKENS, N_SINK = 128, 2048, 4
+PREFIX, TOKENS, N_SINK = 128, 1024, 4
 BUDGETS = (64, 128, 256, 512)
 ARMS = ("streaming_llm", "default", "oracle")
 SEGMENTS = ("prose-0", "prose-100k", "prose-150k", "code-dataclasses", "code-difflib", "code-argparse")

@@ -32,7 +32,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["MaskedArm", "attention_received", "keep_masks", "oracle_arm", "oracle_arms", "simulated_nll", "simulated_pass"]
+__all__ = ["MaskedArm", "attention_received", "keep_masks", "oracle_arm", "oracle_arms", "simulated_nll", "simulated_predictions", "simulated_pass"]
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,13 @@ def simulated_pass(model, tokens, arm: MaskedArm, prefix: int, *, start: int = 0
             of ``model.layers`` (the replayed layers were not called). ``model.layers`` is
             restored whatever is raised.
     """
+    lp, outputs = _simulated_logits(model, tokens, arm, prefix, start, hidden, record)
+    return _nll(lp, tokens, prefix).tolist(), outputs
+
+
+def _simulated_logits(model, tokens, arm, prefix, start, hidden, record):
+    """:func:`simulated_pass`'s checks and pass: ``(logits [T - prefix, V] float32 predicting
+    tokens[prefix:], outputs)``."""
     toks = mx.array(tokens)
     T = toks.shape[0]
     if not 1 <= prefix < T:
@@ -331,9 +338,22 @@ def simulated_pass(model, tokens, arm: MaskedArm, prefix: int, *, start: int = 0
     if missed:
         raise RuntimeError(f"simulated eviction: the attention of layers {missed} did not go through "
                            "mlx-lm's scaled_dot_product_attention with their cache (not maskable)")
-    lp = logits[prefix - 1:]
-    nll = mx.logsumexp(lp, axis=-1) - mx.take_along_axis(lp, toks[prefix:, None], axis=-1)[:, 0]
-    return nll.tolist(), {i: r.out for i, r in recorded.items()}
+    return logits[prefix - 1:], {i: r.out for i, r in recorded.items()}
+
+
+def _nll(lp, tokens, prefix: int) -> mx.array:
+    """``[T - prefix]`` NLLs of ``tokens[prefix:]`` from their logits ``lp [T - prefix, V]``."""
+    target = mx.array(tokens)[prefix:, None]
+    return mx.logsumexp(lp, axis=-1) - mx.take_along_axis(lp, target, axis=-1)[:, 0]
+
+
+def simulated_predictions(model, tokens, arm: MaskedArm, prefix: int) -> tuple[list[float], list[int]]:
+    """:func:`simulated_nll` and, at each scored position, the token the model ranks first:
+    ``(nll, argmax)``, both for ``tokens[prefix:]`` (``argmax[i]`` predicts ``tokens[prefix + i]``
+    from the tokens before it, teacher-forced: what greedy decoding would emit there given those
+    tokens). Raises what :func:`simulated_nll` raises."""
+    lp, _ = _simulated_logits(model, tokens, arm, prefix, 0, None, ())
+    return _nll(lp, tokens, prefix).tolist(), mx.argmax(lp, axis=-1).tolist()
 
 
 # ------------------------------------------------------------------ the oracle score (hindsight)

@@ -1,0 +1,179 @@
+"""Pass-key recall beyond the recent window at 4x and 8x compression of the prompt: the full
+cache, StreamingLLM, the library's default and the oracle (SmolLM2-135M-Instruct).
+
+Prompts (:func:`qfilters_mlx.evaluation.recall.needle_prompt`): the instruction, about
+:data:`CONTEXT` tokens of CPython's reference documentation (whole paragraphs from the first
+paragraph after characters 200,000 / 215,000 / 230,000 / 245,000 of the joined
+``pydoc_data.topics`` text, before the calibration text at 300,155), a 5-digit pass key at
+depth 0.1 / 0.3 / 0.5 of it, the question, then the answer the full cache gives
+(``"The secret pass key is "`` and the key), teacher-forced. Budgets 128 and 64: the prompt
+(about 530 tokens) compressed about 4x and 8x; the key sits further from the question than
+every arm's recent window (StreamingLLM's is budget - 4 tokens; the default's and the
+oracle's budget/2).
+
+Each (prompt, arm, budget) is one simulated streaming pass (:mod:`qfilters_mlx.evaluation.simulate`:
+the first :data:`PREFIX` tokens in one call, then token by token: eviction runs while the prompt is
+read, the strictest case; mlx-lm's 2,048-token prefill would show a prompt this short whole to its
+own queries). A prompt counts as recalled when every key token of the answer is the model's
+first choice (the argmax of the teacher-forced logits: what greedy decoding emits after that
+answer prefix). Shares are counted on the prompts the full cache recalls (the arms are run only
+on those), with exact (Clopper-Pearson) 95% intervals (``scipy.stats.binomtest``).
+
+Arms: ``streaming_llm``; ``default`` (the filter ``for_model`` calibrates on first use, recent
+budget/2); ``oracle`` (the default's keep rule, each key scored by the attention it receives in the
+full-cache pass of the same sequence, question and answer included, from the queries after it left
+the recent window: :func:`qfilters_mlx.evaluation.simulate.oracle_arms`).
+
+Usage (resumable; ``--report`` rewrites the tables only)::
+
+    python bench/bench_recall_beyond_window.py [--offsets 200000,215000] [--depths 0.1,0.3]
+
+Writes ``bench/results/recall_beyond_window.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import common  # noqa: F401  (fast BLAS before MLX)
+import numpy as np
+from mlx_lm import load
+from scipy.stats import binomtest
+
+from bench_held_out_perplexity import config, default_filters
+from qfilters_mlx.assets.prepare_model import prepare_model
+from qfilters_mlx.assets.prompts import source_text
+from qfilters_mlx.evaluation.recall import full_predictions, key_recall, needle_prompt
+from qfilters_mlx.evaluation.retrieval import pass_key
+from qfilters_mlx.evaluation.simulate import MaskedArm, oracle_arms, simulated_predictions
+
+CONTEXT, PREFIX = 400, 32
+BUDGETS = (128, 64)
+ARMS = ("streaming_llm", "default", "oracle")
+OFFSETS = (200_000, 215_000, 230_000, 245_000)
+DEPTHS = (0.1, 0.3, 0.5)
+OUT = common.RESULTS / "recall_beyond_window.json"
+
+
+def run(a, results: dict, save) -> None:
+    from qfilters_mlx.model_info import model_head_dim
+
+    model, tokenizer = load(str(prepare_model()))
+    hd = model_head_dim(model)
+    text = source_text()
+    filters = None
+    for off in a.offsets:
+        hay = text[text.index("\n\n", off) + 2:]
+        for depth in a.depths:
+            name = f"{off}@{depth}"
+            p = needle_prompt(tokenizer, hay, CONTEXT, depth, pass_key(off, CONTEXT, depth))
+            cell = results["prompts"].setdefault(name, {})
+            cell.update(prompt_tokens=p.prompt_tokens, needle_distance=p.distance, key=p.key,
+                        sequence_tokens=len(p.tokens))
+            if "full" not in cell:
+                nll, arg = full_predictions(model, p.tokens, PREFIX)
+                ok, key_nll = key_recall(p, nll, arg, PREFIX)
+                cell["full"] = {"recalled": ok, "key_nll": key_nll}
+                save()
+            if not cell["full"]["recalled"]:
+                print(f"{name}: the full cache misses it; arms not run", flush=True)
+                continue
+            todo = [(arm, b) for b in a.budgets for arm in ARMS if f"{arm}@{b}" not in cell]
+            bs = [b for arm, b in todo if arm == "oracle"]
+            oracles = dict(zip(bs, oracle_arms(model, p.tokens, [config("oracle", b, hd) for b in bs]))) if bs else {}
+            for arm, b in todo:
+                if arm == "default" and filters is None:
+                    filters, results["default_filters"] = default_filters(model, tokenizer)
+                tic = time.perf_counter()
+                m = oracles[b] if arm == "oracle" else MaskedArm(config(arm, b, hd), filters=filters)
+                nll, arg = simulated_predictions(model, p.tokens, m, PREFIX)
+                ok, key_nll = key_recall(p, nll, arg, PREFIX)
+                cell[f"{arm}@{b}"] = {"recalled": ok, "key_nll": key_nll, "argmax_key": [arg[i - PREFIX] for i in
+                                                                                          p.key_positions]}
+                save()
+                print(f"{name} {arm}@{b}: {'recalled' if ok else 'missed'} (key NLL {key_nll:.2f}, "
+                      f"{time.perf_counter() - tic:.0f} s)", flush=True)
+
+
+def summary(results: dict) -> dict:
+    """Per (arm, budget): recalled / prompts the full cache recalls, its exact 95% interval,
+    and the median key NLL (nats), over the prompts where every arm has run."""
+    P = results["prompts"]
+    hits = [n for n, c in P.items() if c.get("full", {}).get("recalled")]
+    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in ARMS for b in BUDGETS)]
+    out = {"prompts": len(P), "full_recalled": len(hits), "counted": len(done), "cells": {}}
+    for b in BUDGETS:
+        for arm in ARMS:
+            k = sum(P[n][f"{arm}@{b}"]["recalled"] for n in done)
+            ci = binomtest(k, len(done)).proportion_ci(0.95, method="exact") if done else None
+            out["cells"][f"{arm}@{b}"] = {
+                "recalled": k, "of": len(done), "low": ci.low if ci else None, "high": ci.high if ci else None,
+                "median_key_nll": float(np.median([P[n][f"{arm}@{b}"]["key_nll"] for n in done])) if done else None}
+    out["median_full_key_nll"] = float(np.median([P[n]["full"]["key_nll"] for n in done])) if done else None
+    return out
+
+
+def markdown(results: dict, s: dict) -> str:
+    P = results["prompts"]
+    ptoks = [c["prompt_tokens"] for c in P.values()]
+    dist = [c["needle_distance"] for c in P.values()]
+    lines = ["# Pass-key recall beyond the recent window (SmolLM2-135M-Instruct, teacher-forced)", "",
+             "Commands:", "", *[f"    {c}" for c in results["commands"]], "",
+             f"{s['prompts']} prompts of {min(ptoks)}-{max(ptoks)} tokens (key {min(dist)}-{max(dist)} tokens before "
+             f"the end of the prompt); the full cache recalls the key in {s['full_recalled']} of them; "
+             f"shares below over the {s['counted']} of those where every arm ran. Default filters: "
+             f"{results.get('default_filters', '-')}.", "",
+             "Recalled / prompts the full cache recalls [exact 95% interval]; median NLL of the key's "
+             f"tokens in nats (full cache: {s['median_full_key_nll']:.2f}):", ""]
+    rows = []
+    for arm in ARMS:
+        row = [arm]
+        for b in BUDGETS:
+            c = s["cells"][f"{arm}@{b}"]
+            row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; NLL {c['median_key_nll']:.2f}")
+        rows.append(row)
+    head = [f"budget {b} (x{np.mean(ptoks) / b:.1f})" for b in BUDGETS]
+    lines += common.md_table(["arm"] + head, rows)
+    lines += ["", "Per prompt (offset@depth: key distance; R recalled, - missed; order: "
+              + ", ".join(f"{arm}@{b}" for b in BUDGETS for arm in ARMS) + "):", ""]
+    rows = []
+    for n, c in P.items():
+        marks = " ".join(("R" if c[f"{arm}@{b}"]["recalled"] else "-") if f"{arm}@{b}" in c else "."
+                         for b in BUDGETS for arm in ARMS)
+        rows.append([n, c["needle_distance"], "R" if c["full"]["recalled"] else "-", marks])
+    lines += common.md_table(["prompt", "key distance", "full", "arms"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--offsets", type=common.int_list, default=list(OFFSETS))
+    p.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=list(DEPTHS))
+    p.add_argument("--budgets", type=common.int_list, default=list(BUDGETS))
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--report", action="store_true")
+    a = p.parse_args()
+    out = common.Path(a.out)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results.setdefault("meta", common.run_meta(python=sys.version.split()[0]))
+    results.setdefault("settings", {"context": CONTEXT, "prefix": PREFIX, "n_sink": 4})
+    results.setdefault("prompts", {})
+    if not a.report:
+        command = " ".join(["python bench/bench_recall_beyond_window.py", *sys.argv[1:]])
+        if command not in results.setdefault("commands", []):
+            results["commands"].append(command)
+        run(a, results, lambda: out.write_text(json.dumps(results)))
+    s = summary(results)
+    results["summary"] = s
+    out.write_text(json.dumps(results))
+    if s["counted"]:
+        out.with_suffix(".md").write_text(markdown(results, s))
+        print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
