@@ -228,7 +228,9 @@ def test_full_cache_answers_as_plain_mlx_lm(tiny_run):
         s = _sample(tok, rec)
         c, q = sample_tokens(tok, s)
         assert rec["context_tokens"] == len(c) and len(c) + len(q) + s.max_new_tokens <= 900
-        assert rec["answers"]["full"] == tok.decode(_greedy_mlx_lm(model, c + q, s.max_new_tokens))
+        ref = tok.decode(_greedy_mlx_lm(model, c + q, s.max_new_tokens))
+        ans = rec["answers"]["full"]  # (decoding stops once every expected string is written)
+        assert ans == ref or (rec["scores"]["full"] == 1.0 and ref.startswith(ans))
 
 
 def test_ratio_zero_answers_as_the_full_cache_for_every_arm(tiny_run):
@@ -319,7 +321,8 @@ def test_streaming_arm_answers_as_the_library_streaming_cache(arm, method):
 
     model, tok = tiny_model(), ByteTokenizer()
     s = RulerSettings(lengths=(700,), samples=1, tasks=("niah_single_1",), ratios=(0.5,), chunk=64,
-                      calib_tokens=16, protocols=("streaming",), compress_arms=(), streaming_arms=(arm,))
+                      calib_tokens=16, protocols=("streaming",), compress_arms=(), streaming_arms=(arm,),
+                      streaming_samples="all")
     recs = {}
     run_ruler(model, tok, SOURCES, s, tasks=quick_tasks(), save=lambda k, r: recs.__setitem__(k, r))
     rec = recs["700/niah_single_1/0"]

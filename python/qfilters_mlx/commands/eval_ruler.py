@@ -24,7 +24,7 @@ QUICK_OUT = "bench/results/ruler_quick"
 
 def add_parser(sub) -> None:
     """Add ``ruler`` to ``sub`` (the ``eval`` command's subparsers)."""
-    from qfilters_mlx.evaluation.ruler.arms import COMPRESS_ARMS, STREAMING_ARMS
+    from qfilters_mlx.evaluation.ruler.arms import COMPRESS_ARMS, DEFAULT_COMPRESS_ARMS, STREAMING_ARMS
     from qfilters_mlx.evaluation.ruler.tasks import TASKS
 
     p = sub.add_parser(
@@ -35,9 +35,13 @@ def add_parser(sub) -> None:
             "frequent-words extraction; not the QA tasks, which need downloads) for the model's "
             "tokenizer and chat template, answer them with the full cache and every arm at every "
             "compression ratio (compress-once: kvpress's protocol; streaming: a budget of "
-            "(1 - ratio) x context tokens through the whole prompt), score them with RULER's "
-            "string_match_all and write kvpress-style leaderboard rows with bootstrap 95%% "
-            "intervals. Resumable: samples already in PREFIX_samples/ are skipped."),
+            "(1 - ratio) x context tokens through the whole prompt), from one shared prefill per sample. "
+            "Every row is scored by the teacher-forced log-likelihood of the gold answer (and whether "
+            "greedy decoding would write each expected string); the full cache, and every row of the "
+            "validation subset, also by greedy decoding and RULER's string_match_all. Writes kvpress-style "
+            "leaderboard rows over all samples and over the samples the full cache answers correctly, "
+            "with bootstrap 95%% intervals and paired intervals per method pair. Resumable: samples "
+            "already in PREFIX_samples/ are skipped."),
     )
     p.set_defaults(_parser=p, _run=run)
     p.add_argument("--model", default=None, help="mlx-lm model folder (default: prepared SmolLM2)")
@@ -55,10 +59,18 @@ def add_parser(sub) -> None:
     p.add_argument("--protocols", nargs="+", default=["compress_once"], choices=["compress_once", "streaming"],
                    help="protocols (default compress_once; streaming costs one prefill per arm and ratio)")
     p.add_argument("--arms", nargs="+", default=None, choices=[a.name for a in COMPRESS_ARMS], metavar="ARM",
-                   help=f"compress-once arms (default all: {' '.join(a.name for a in COMPRESS_ARMS)})")
+                   help=f"compress-once arms (default {' '.join(DEFAULT_COMPRESS_ARMS)}; also: "
+                        f"{' '.join(a.name for a in COMPRESS_ARMS if a.name not in DEFAULT_COMPRESS_ARMS)})")
     p.add_argument("--streaming-arms", nargs="+", default=list(STREAMING_ARMS),
                    choices=[a.name for a in COMPRESS_ARMS], metavar="ARM",
                    help=f"streaming arms (default {' '.join(STREAMING_ARMS)})")
+    p.add_argument("--streaming-ratios", type=float, nargs="+", default=None,
+                   help="the streaming protocol's ratios (default: those of --ratios)")
+    p.add_argument("--streaming-samples", choices=["full_correct", "all"], default="full_correct",
+                   help="streaming rows on the samples the full cache answers correctly (default) or on all")
+    p.add_argument("--validation-samples", type=int, default=None,
+                   help="sample indices below this are decoded greedily in every row, to check the "
+                        "teacher-forced scoring (default 1; --quick: every sample)")
     p.add_argument("--seed", type=int, default=0, help="task generation seed (default 0)")
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per call (default 512)")
     p.add_argument("--out", default=None, metavar="PREFIX",
@@ -99,7 +111,7 @@ class SampleStore:
 
 
 def _settings(args):
-    from qfilters_mlx.evaluation.ruler.arms import COMPRESS_ARMS
+    from qfilters_mlx.evaluation.ruler.arms import DEFAULT_COMPRESS_ARMS
     from qfilters_mlx.evaluation.ruler.runner import RulerSettings
     from qfilters_mlx.evaluation.ruler.tasks import TASKS
 
@@ -110,8 +122,12 @@ def _settings(args):
         samples=args.samples or (1 if q else 10),
         tasks=tuple(args.tasks or TASKS),
         protocols=tuple(args.protocols),
-        compress_arms=tuple(args.arms or [a.name for a in COMPRESS_ARMS]),
+        compress_arms=tuple(args.arms or DEFAULT_COMPRESS_ARMS),
         streaming_arms=tuple(args.streaming_arms),
+        streaming_ratios=None if args.streaming_ratios is None else tuple(args.streaming_ratios),
+        streaming_samples=args.streaming_samples,
+        validation_samples=(args.validation_samples if args.validation_samples is not None
+                            else (args.samples or 1) if q else 1),
         seed=args.seed, chunk=args.chunk, calib_tokens=32 if q else 128,
     )
 
@@ -159,11 +175,13 @@ def run(parser, args, blas_library: str | None = None) -> int:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     store = SampleStore(prefix.parent / (prefix.name + "_samples"))
     command = _command(sys.argv[sys.argv.index("ruler") + 1:] if "ruler" in sys.argv else [])
-    settings = _settings(args)
     if args.samples is not None and args.samples < 1:
         parser.error("--samples must be >= 1")
-    if any(not 0.0 <= r < 1.0 for r in settings.ratios):
-        parser.error("--ratios: every ratio must be in [0, 1)")
+    if args.validation_samples is not None and args.validation_samples < 0:
+        parser.error("--validation-samples must be >= 0")
+    settings = _settings(args)
+    if any(not 0.0 <= r < 1.0 for r in settings.ratios + (settings.streaming_ratios or ())):
+        parser.error("--ratios, --streaming-ratios: every ratio must be in [0, 1)")
     if args.report_only:
         records = store.records()
         if not records:
@@ -193,7 +211,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     import mlx.core as mx
 
     model, tokenizer = load(str(model_path))
-    # Each compressed row allocates and frees a full-context cache: keep at most 1 GiB of freed
+    # Each sample allocates and frees its rows' kept keys/values: keep at most 1 GiB of freed
     # buffers for reuse instead of MLX's default (its memory limit).
     mx.set_cache_limit(1 << 30)
     calibrated, filters_meta = None, {}

@@ -1,7 +1,7 @@
 """The arms of the RULER run and the caches they answer with.
 
-Compress-once (kvpress's protocol): the context is prefilled once; each arm's cache is
-given that prefill's keys/values and compressed by ``compression_ratio`` (kvpress's rule:
+Compress-once (kvpress's protocol): the context is prefilled once; each arm keeps, of that
+prefill's keys/values, what a cache compressed by ``compression_ratio`` keeps (:mod:`.rows`) (kvpress's rule:
 ``int(tokens * (1 - ratio))`` kept per layer and KV head; no sinks nor recent window for the
 scored presses, 4 sinks for StreamingLLM, as kvpress's ``StreamingLLMPress``), then the
 question and the answer are appended. Streaming (this package's default mode): the arm's
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["COMPRESS_ARMS", "STREAMING_ARMS", "RulerArm", "arm_by_name", "compress_row", "streaming_row"]
+__all__ = ["COMPRESS_ARMS", "DEFAULT_COMPRESS_ARMS", "STREAMING_ARMS", "RulerArm", "arm_by_name", "layer_filters",
+           "streaming_row"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,13 @@ COMPRESS_ARMS = (
 )
 """Every evicting arm (the full cache is not an arm of this list)."""
 
+DEFAULT_COMPRESS_ARMS = ("qfilters", "knorm", "streaming_llm")
+"""Arms a run has unless asked for others: ``random`` (a control that scored near zero) and
+``qfilters_online`` (within 3 points of the calibrated filter at every ratio of the first run;
+it also needs the context's queries observed) run only on request."""
+
 STREAMING_ARMS = ("qfilters", "streaming_llm")
-"""Arms run in the streaming protocol by default (it costs one prefill per arm and ratio)."""
+"""Arms run in the streaming protocol by default (each row reads the prompt from its first eviction on:\n:func:`.rows.forked_row`)."""
 
 
 def arm_by_name(name: str) -> RulerArm:
@@ -58,7 +64,12 @@ def arm_by_name(name: str) -> RulerArm:
     raise ValueError(f"unknown arm {name!r}; arms: {[a.name for a in COMPRESS_ARMS]}")
 
 
-def _layer_filters(arm: RulerArm, calibrated, online, n_layers: int):
+def layer_filters(arm: RulerArm, calibrated, online, n_layers: int) -> list:
+    """Per layer, the arm's filter ``[H_kv, D]`` (``None`` for arms without one).
+
+    Raises:
+        ValueError: the calibrated or online filters the arm needs are missing.
+    """
     if arm.filters == "calibrated":
         if calibrated is None:
             raise ValueError("the 'qfilters' arm needs calibrated filters (qfilters-mlx calibrate)")
@@ -69,36 +80,6 @@ def _layer_filters(arm: RulerArm, calibrated, online, n_layers: int):
                              "first calib_tokens queries: the context is shorter than calib_tokens")
         return list(online)
     return [None] * n_layers
-
-
-def compress_row(arm: RulerArm, ratio: float, kv: list, head_dim: int, *, calibrated=None, online=None,
-                 seed: int = 0, backend: str = "auto") -> list:
-    """One arm's per-layer caches holding the prefill's ``kv`` (per layer ``(keys, values)``
-    ``[1, H_kv, T, D]``), compressed once by ``ratio``.
-
-    Args:
-        calibrated: ``[n_layers, H_kv, D]`` offline filters (arm ``qfilters``).
-        online: per layer ``[H_kv, D]`` filters estimated from the context's queries
-            (arm ``qfilters_online``).
-
-    Raises:
-        ValueError: the arm's filters are missing, or ``ratio`` is outside ``[0, 1)``.
-    """
-    from qfilters_mlx.cache.compression import compress_caches
-    from qfilters_mlx.cache.kv_cache import QFiltersKVCache
-    from qfilters_mlx.config import BuildOptions, CompressOnce, KVCacheConfig
-
-    cfg = KVCacheConfig(method=arm.method, head_dim=head_dim,
-                        mode=CompressOnce(ratio=float(ratio), at="manual"),
-                        qfilters_n_sink=arm.n_sink, qfilters_recent=0, qfilters_sign=1,
-                        qfilters_filter_source="queries" if arm.filters == "online" else "keys",
-                        qfilters_seed=seed).with_build_options(BuildOptions(backend=backend))
-    filters = _layer_filters(arm, calibrated, online, len(kv))
-    row = [QFiltersKVCache(cfg, layer_idx=i, filters=f) for i, f in enumerate(filters)]
-    for c, (k, v) in zip(row, kv):
-        c.update_and_fetch(k, v)
-    compress_caches(row)
-    return row
 
 
 def streaming_row(arm: RulerArm, ratio: float, context_tokens: int, head_dim: int, n_layers: int, *,
@@ -118,5 +99,5 @@ def streaming_row(arm: RulerArm, ratio: float, context_tokens: int, head_dim: in
                         qfilters_filter_source="queries" if arm.filters == "online" else "keys",
                         qfilters_calib_tokens=calib_tokens, qfilters_seed=seed,
                         ).with_build_options(BuildOptions(backend=backend))
-    filters = [None] * n_layers if arm.filters == "online" else _layer_filters(arm, calibrated, None, n_layers)
+    filters = [None] * n_layers if arm.filters == "online" else layer_filters(arm, calibrated, None, n_layers)
     return [QFiltersKVCache(cfg, layer_idx=i, filters=f) for i, f in enumerate(filters)]

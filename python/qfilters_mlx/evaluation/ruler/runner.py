@@ -1,53 +1,85 @@
 """One RULER sample through every arm, and the resumable run over tasks, lengths and samples.
 
-Compress-once: the context is prefilled once (``chunk``-token calls) into caches that keep
-every token and observe the context's queries (the online filter's estimate); each
-(arm, ratio) row receives those keys/values and is compressed (:func:`.arms.compress_row`);
-the full cache and every row then take the question in one batched call (the rows' stored
-keys/values stacked in mlx-lm's ``BatchKVCache``, :func:`stacked_cache`) and decode greedily
-until every row has produced an end-of-sequence token or ``max_new_tokens``. Streaming: every
-(arm, ratio) row is fed the whole prompt in ``chunk``-token calls
-(:func:`~qfilters_mlx.evaluation.retrieval.batched_greedy`). No I/O: the caller loads and
-saves the per-sample records (``load(key)`` / ``save(key, record)``).
+One shared prefill per sample: the context is fed once, in ``chunk``-token calls of the model's
+body (no LM head on context chunks; the online filter's queries observed only when that arm
+runs). Compress-once rows select their kept positions from it (:func:`.rows.compressed_kv`);
+streaming rows take it up to their first eviction and read the rest of the prompt themselves
+(:func:`.rows.forked_row`).
+
+Every row is scored by teacher forcing (:mod:`.forced`): the question and the gold answer in one
+call, the LM head on the answer's positions only (compress-once rows holding as many tokens
+share one batch). Greedy decoding with RULER's ``string_match_all`` runs for the full cache on
+every sample (so every record says whether the full cache answers correctly) and for every row
+on the validation subset (sample indices below ``validation_samples``). Streaming rows run on the
+samples the full cache answers correctly (``streaming_samples="full_correct"``) or on all.
+
+Teacher forcing in the streaming protocol feeds the answer in one call after the prompt's last
+chunk, so the cache does not evict between answer tokens as it does between decoded tokens:
+a difference of at most ``len(answer) - 1`` kept tokens, measured by the validation subset.
+
+No I/O: the caller loads and saves the per-sample records (``load(key)`` / ``save(key, record)``).
 """
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 
-from qfilters_mlx.evaluation.ruler.arms import COMPRESS_ARMS, STREAMING_ARMS, arm_by_name, compress_row, streaming_row
+from qfilters_mlx.evaluation.ruler.arms import DEFAULT_COMPRESS_ARMS, STREAMING_ARMS, arm_by_name
+from qfilters_mlx.evaluation.ruler.forced import forced_scores, gold_answer, greedy, greedy_from, split_model, summarize
 from qfilters_mlx.evaluation.ruler.prompt import fit, sample_tokens
+from qfilters_mlx.evaluation.ruler.rows import compressed_kv, forked_row, stacked_cache
 from qfilters_mlx.evaluation.ruler.scoring import sample_score
 from qfilters_mlx.evaluation.ruler.tasks import TASKS, Sources
 
-__all__ = ["RulerSettings", "answer_key", "run_ruler", "run_sample", "sample_key"]
+__all__ = ["SCORING", "RulerSettings", "answer_key", "run_ruler", "run_sample", "sample_key"]
+
+SCORING = "forced+greedy-1"
+"""The records' scoring (in the fingerprint: records of the greedy-only runner are refused)."""
 
 
 @dataclass(frozen=True)
 class RulerSettings:
-    """What one RULER run covers. ``fingerprint()`` is what a resumed run must share."""
+    """What one RULER run covers. ``fingerprint()`` is what a resumed run must share.
+
+    ``validation_samples``: samples with an index below it are decoded greedily in every row
+    (the others in the full-cache row only). ``streaming_samples``: ``"full_correct"`` (streaming
+    rows only where the full cache's greedy answer scores 1) or ``"all"``. ``streaming_ratios``:
+    the streaming protocol's ratios (``None``: ``ratios``).
+    """
 
     lengths: tuple = (2048, 4096)
     ratios: tuple = (0.25, 0.5, 0.75, 0.875)
     samples: int = 10
     tasks: tuple = tuple(TASKS)
     protocols: tuple = ("compress_once",)
-    compress_arms: tuple = tuple(a.name for a in COMPRESS_ARMS)
+    compress_arms: tuple = DEFAULT_COMPRESS_ARMS
     streaming_arms: tuple = STREAMING_ARMS
     seed: int = 0
     chunk: int = 512
     calib_tokens: int = 128
     backend: str = "auto"
+    validation_samples: int = 1
+    streaming_samples: str = "full_correct"
+    streaming_ratios: tuple | None = None
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.streaming_samples not in ("full_correct", "all"):
+            raise ValueError(f"streaming_samples must be 'full_correct' or 'all', got {self.streaming_samples!r}")
+        if self.validation_samples < 0:
+            raise ValueError(f"validation_samples must be >= 0, got {self.validation_samples}")
 
     def fingerprint(self) -> dict:
         """Settings every record of a results folder shares (the rest only selects records)."""
         d = asdict(self)
-        return {k: d[k] for k in ("seed", "chunk", "calib_tokens", "extra")}
+        return {"scoring": SCORING, **{k: d[k] for k in ("seed", "chunk", "calib_tokens", "validation_samples",
+                                                         "extra")}}
 
 
 def sample_key(length: int, task: str, index: int) -> str:
@@ -59,12 +91,28 @@ def answer_key(protocol: str, arm: str, ratio: float | None = None) -> str:
     return "full" if arm == "full" else f"{protocol}/{arm}@{ratio:g}"
 
 
-def _wanted(s: RulerSettings) -> dict[str, list[str]]:
-    out = {"compress_once": ["full"], "streaming": []}
+def _split_key(key: str) -> tuple[str, float]:
+    name, ratio = key.split("/")[1].split("@")
+    return name, float(ratio)
+
+
+def _todo(record: dict, s: RulerSettings) -> dict[str, list[str]]:
+    """The answer keys ``record`` lacks: ``forced`` / ``greedy`` (compress-once and the full
+    cache), ``streaming`` (teacher-forced, and greedy on validation samples); streaming only once
+    the full cache's greedy answer is known and, with ``"full_correct"``, scores 1."""
+    forced, answers = record.get("forced", {}), record.get("answers", {})
+    validation = record.get("index", 0) < s.validation_samples
+    co = ["full"]
     if "compress_once" in s.protocols:
-        out["compress_once"] += [answer_key("compress_once", a, r) for a in s.compress_arms for r in s.ratios]
+        co += [answer_key("compress_once", a, r) for a in s.compress_arms for r in s.ratios]
+    out = {"forced": [k for k in co if k not in forced],
+           "greedy": [k for k in (co if validation else ["full"]) if k not in answers], "streaming": []}
     if "streaming" in s.protocols:
-        out["streaming"] = [answer_key("streaming", a, r) for a in s.streaming_arms for r in s.ratios]
+        full = record.get("scores", {}).get("full")
+        if full is None or s.streaming_samples == "all" or full == 1.0:
+            ratios = s.ratios if s.streaming_ratios is None else s.streaming_ratios
+            st = [answer_key("streaming", a, r) for a in s.streaming_arms for r in ratios]
+            out["streaming"] = [k for k in st if k not in forced or (validation and k not in answers)]
     return out
 
 
@@ -76,135 +124,149 @@ def _eos(tokenizer) -> set[int]:
     return set(ids)
 
 
-def _cut(ids: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[:i]
-    return ids
+def _prefill(split, model, context: list[int], chunk: int, head_dim: int, calib_tokens: int, backend: str,
+             online: bool):
+    """The context's keys/values per layer (``[1, H_kv, T, D]``) and, with ``online``, the online
+    query filter per layer (else ``None``), from ``chunk``-token calls of the model's body."""
+    from mlx_lm.models.cache import KVCache
 
-
-def stacked_cache(rows: list[list], offset: int) -> list:
-    """One mlx-lm ``BatchKVCache`` per layer holding every row's stored keys/values
-    (left-padded to the longest row, the padding masked), with every row's RoPE position
-    ``offset`` (the tokens each row has seen, stored or not).
-
-    After a compress-once compression a row only appends (no further eviction), so this
-    cache attends exactly as the row's own cache would, and one model call advances every
-    row at the cost of one batch (no per-row cache work per token).
-
-    Args:
-        rows: per row, per layer ``(keys, values)`` ``[1, H_kv, S_row, D]``.
-        offset: tokens fed to every row so far.
-    """
-    from mlx_lm.models.cache import BatchKVCache
-
-    n_layers = len(rows[0])
-    sizes = [r[0][0].shape[2] for r in rows]
-    S = max(sizes)
-    caches = []
-    for layer in range(n_layers):
-        def stack(part):
-            xs = [r[layer][part] for r in rows]
-            return mx.concatenate([mx.pad(x, [(0, 0), (0, 0), (S - x.shape[2], 0), (0, 0)]) for x in xs], axis=0)
-
-        c = BatchKVCache(left_padding=[S - n for n in sizes])
-        c.update_and_fetch(stack(0), stack(1))
-        c.offset = mx.full((len(rows),), offset, dtype=mx.int32)
-        caches.append(c)
-    mx.eval([(c.keys, c.values) for c in caches])
-    return caches
-
-
-def greedy_until_eos(model, caches, tokens: list[int], rows: int, max_tokens: int, eos: set[int]) -> list[list[int]]:
-    """Feed ``tokens`` to every row in one call, then up to ``max_tokens`` greedy tokens per
-    row, stopping when every row has produced a token of ``eos`` (returned ids stop before it)."""
-    logits = model(mx.broadcast_to(mx.array(tokens)[None], (rows, len(tokens))), cache=caches)[:, -1]
-    out: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
-    for step in range(max_tokens):
-        nxt = mx.argmax(logits, axis=-1)
-        ids = nxt.tolist()
-        for i, t in enumerate(ids):
-            if not done[i]:
-                out[i].append(t)
-                done[i] = t in eos
-        if all(done) or step + 1 == max_tokens:
-            break
-        logits = model(nxt[:, None], cache=caches)[:, -1]
-    return [_cut(o, eos) for o in out]
-
-
-def _prefill(model, context: list[int], chunk: int, head_dim: int, calib_tokens: int, backend: str):
-    """The context's keys/values per layer and the online query filter per layer."""
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
     from qfilters_mlx.config import BuildOptions, CompressOnce, KVCacheConfig
     from qfilters_mlx.filters.observe import observe_queries
 
-    cfg = KVCacheConfig(method="qfilters", head_dim=head_dim, mode=CompressOnce(at="manual"),
-                        qfilters_filter_source="queries", qfilters_calib_tokens=calib_tokens,
-                        ).with_build_options(BuildOptions(backend=backend))
-    caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(len(model.layers))]
-    with observe_queries(model, caches):
+    n_layers = len(model.layers)
+    if online:
+        cfg = KVCacheConfig(method="qfilters", head_dim=head_dim, mode=CompressOnce(at="manual"),
+                            qfilters_filter_source="queries", qfilters_calib_tokens=calib_tokens,
+                            ).with_build_options(BuildOptions(backend=backend))
+        caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(n_layers)]
+        with observe_queries(model, caches):
+            for i in range(0, len(context), chunk):
+                mx.eval(split.body(mx.array(context[i:i + chunk])[None], cache=caches)[:, -1])
+        kv = [(c.keys[:, :, :c.size()], c.values[:, :, :c.size()]) for c in caches]
+        filters = [c.filter for c in caches]
+    else:
+        caches = [KVCache() for _ in range(n_layers)]
         for i in range(0, len(context), chunk):
-            model(mx.array(context[i:i + chunk])[None], cache=caches)
-            mx.eval([c.keys for c in caches])
-    kv = [(c.keys[:, :, :c.size()], c.values[:, :, :c.size()]) for c in caches]
+            mx.eval(split.body(mx.array(context[i:i + chunk])[None], cache=caches)[:, -1])
+        kv = [(c.keys[:, :, :c.offset], c.values[:, :, :c.offset]) for c in caches]
+        filters = None
     mx.eval(kv)
-    return kv, [c.filter for c in caches]
+    return kv, filters
+
+
+def _rows(x: list[int], n: int) -> mx.array:
+    return mx.broadcast_to(mx.array(x)[None], (n, len(x)))
 
 
 def run_sample(model, tokenizer, record: dict, context: list[int], question: list[int], outputs,
-               max_new_tokens: int, s: RulerSettings, calibrated=None) -> dict:
-    """Fill ``record["answers"]`` / ``["scores"]`` / ``["seconds"]`` for the (protocol, arm,
-    ratio) answers of ``s`` it lacks; returns ``record``."""
-    from qfilters_mlx.evaluation.retrieval import batched_greedy
+               max_new_tokens: int, s: RulerSettings, calibrated=None, split=None) -> dict:
+    """Fill ``record`` with the answers of ``s`` it lacks (:func:`_todo`); returns ``record``.
+
+    ``record["forced"][key]``: ``{"loglik", "tokens", "match"}`` (:mod:`.forced`);
+    ``record["answers"]`` / ``["scores"]``: greedy answers and their ``string_match_all`` share
+    (decoding of a row stops at end-of-sequence, ``max_new_tokens`` or once every expected string
+    is in its answer);
+    ``record["full_correct"]``: the full cache's greedy share is 1; ``record["kept"]``: tokens a
+    row holds after compression (streaming: its budget); ``record["seconds"]``: per stage
+    (``prefill``, ``forced``, ``greedy``, ``streaming``), wall clock, summed over resumes.
+
+    Args:
+        record: needs ``"index"`` (the sample index: below ``s.validation_samples`` every row is
+            decoded greedily too).
+        split: the model's body/head split (:func:`.forced.split_model`; made if ``None``).
+    """
+    from qfilters_mlx.evaluation.multi_arm import batch_caches
+    from qfilters_mlx.filters.observe import observe_queries
     from qfilters_mlx.model_info import model_head_dim
 
+    split = split_model(model) if split is None else split
     answers, scores = record.setdefault("answers", {}), record.setdefault("scores", {})
-    seconds, kept = record.setdefault("seconds", {}), record.setdefault("kept", {})
-    want = _wanted(s)
-    eos, hd, n_layers = _eos(tokenizer), model_head_dim(model), len(model.layers)
+    forced, kept = record.setdefault("forced", {}), record.setdefault("kept", {})
+    seconds = record.setdefault("seconds", {})
+    add = lambda k, t0: seconds.__setitem__(k, seconds.get(k, 0.0) + time.perf_counter() - t0)  # noqa: E731
+    validation = record.get("index", 0) < s.validation_samples
+    record["validation"] = validation
+    eos, hd = _eos(tokenizer), model_head_dim(model)
+    answer, spans = gold_answer(tokenizer, outputs)
+    T = len(context)
 
     def put(key, ids):
         answers[key] = tokenizer.decode(ids)
         scores[key] = sample_score(answers[key], outputs)
 
-    todo = [k for k in want["compress_once"] if k not in answers]
-    if todo:
+    def found_all(ids):  # the score cannot change once every expected string is written
+        return sample_score(tokenizer.decode(ids), outputs) == 1.0
+
+    todo = _todo(record, s)
+    if not any(todo.values()):
+        return record
+    t0 = time.perf_counter()
+    online = any(arm_by_name(_split_key(k)[0]).filters == "online" for k in todo["forced"] + todo["greedy"]
+                 if k != "full")
+    kv, online_filters = _prefill(split, model, context, s.chunk, hd, s.calib_tokens, s.backend, online)
+    add("prefill", t0)
+
+    stored = {}
+    for key in dict.fromkeys(todo["forced"] + todo["greedy"]):
+        if key == "full":
+            stored[key] = kv
+        else:
+            name, ratio = _split_key(key)
+            stored[key] = compressed_kv(arm_by_name(name), ratio, kv, calibrated=calibrated, online=online_filters,
+                                        seed=s.seed, backend=s.backend)
+        kept[key] = stored[key][0][0].shape[2]
+    if todo["forced"]:
         t0 = time.perf_counter()
-        kv, online = _prefill(model, context, s.chunk, hd, s.calib_tokens, s.backend)
-        seconds["prefill"] = time.perf_counter() - t0
-        rows, keys = [], []
-        for key in todo:
-            if key == "full":
-                stored = kv
-            else:
-                name, ratio = key.split("/")[1].split("@")
-                row = compress_row(arm_by_name(name), float(ratio), kv, hd, calibrated=calibrated,
-                                   online=online, seed=s.seed, backend=s.backend)
-                stored = [(c.keys[:, :, :c.size()], c.values[:, :, :c.size()]) for c in row]
-                kept[key] = row[0].size()
-            mx.eval(stored)
-            rows.append(stored)
-            keys.append(key)
-        caches = stacked_cache(rows, len(context))
-        for key, ids in zip(keys, greedy_until_eos(model, caches, question, len(rows), max_new_tokens, eos)):
+        groups = defaultdict(list)  # rows holding as many tokens share a batch (no padding)
+        for key in todo["forced"]:
+            groups[kept[key]].append(key)
+        for keys in groups.values():
+            caches = stacked_cache([stored[k] for k in keys], T)
+            hidden = split.body(_rows(question + answer[:-1], len(keys)), cache=caches)[:, len(question) - 1:]
+            for key, r in zip(keys, summarize(*forced_scores(split.head, hidden, answer), spans)):
+                forced[key] = r
+        add("forced", t0)
+    if todo["greedy"]:
+        t0 = time.perf_counter()
+        keys = todo["greedy"]
+        caches = stacked_cache([stored[k] for k in keys], T)
+        for key, ids in zip(keys, greedy(split, caches, question, len(keys), max_new_tokens, eos, found_all)):
             put(key, ids)
-        seconds["compress_once"] = time.perf_counter() - t0
-    todo = [k for k in want["streaming"] if k not in answers]
-    if todo:
+        add("greedy", t0)
+    del stored
+    record["full_correct"] = scores["full"] == 1.0
+
+    todo = _todo(record, s)
+    if todo["streaming"]:
         t0 = time.perf_counter()
-        rows = []
-        for key in todo:
-            name, ratio = key.split("/")[1].split("@")
-            rows.append(streaming_row(arm_by_name(name), float(ratio), len(context), hd, n_layers,
-                                      calibrated=calibrated, calib_tokens=s.calib_tokens, seed=s.seed,
-                                      backend=s.backend))
-            kept[key] = int((1 - float(ratio)) * len(context))
-        out = batched_greedy(model, context + question, rows, max_new_tokens, s.chunk)
-        for key, ids in zip(todo, out):
-            put(key, _cut(ids, eos))
-        seconds["streaming"] = seconds.get("streaming", 0.0) + time.perf_counter() - t0
+        prompt = context + question
+        groups = defaultdict(list)
+        for key in todo["streaming"]:
+            name, ratio = _split_key(key)
+            row, fork = forked_row(arm_by_name(name), ratio, kv, T, s.chunk, hd, calibrated=calibrated,
+                                   calib_tokens=s.calib_tokens, seed=s.seed, backend=s.backend)
+            kept[key] = int((1 - ratio) * T)
+            groups[fork].append((key, row))
+        for fork, items in sorted(groups.items()):
+            keys, rows = [k for k, _ in items], [r for _, r in items]
+            caches = batch_caches(rows)
+            with observe_queries(model, caches):
+                for i in range(fork, len(prompt), s.chunk):
+                    last = split.body(_rows(prompt[i:i + s.chunk], len(rows)), cache=caches)[:, -1:]
+                    mx.eval(last)
+                saved = copy.deepcopy(rows) if validation else None
+                hidden = last
+                if len(answer) > 1:
+                    hidden = mx.concatenate([last, split.body(_rows(answer[:-1], len(rows)), cache=caches)], axis=1)
+                for key, r in zip(keys, summarize(*forced_scores(split.head, hidden, answer), spans)):
+                    forced[key] = r
+                if saved is not None:
+                    ids = greedy_from(split, batch_caches(saved), split.head(last)[:, -1], max_new_tokens, eos,
+                                      found_all)
+                    for key, a in zip(keys, ids):
+                        put(key, a)
+        add("streaming", t0)
     return record
 
 
@@ -226,7 +288,7 @@ def run_ruler(model, tokenizer, sources: Sources, s: RulerSettings, *, tasks: di
     unknown = [t for t in s.tasks if t not in tasks]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; tasks: {list(tasks)}")
-    want = [k for ks in _wanted(s).values() for k in ks]
+    split = split_model(model)
     ran = 0
     for length in s.lengths:
         for index in range(s.samples):
@@ -236,7 +298,7 @@ def run_ruler(model, tokenizer, sources: Sources, s: RulerSettings, *, tasks: di
                 if record is not None and record.get("settings") != s.fingerprint():
                     raise ValueError(f"{key}: stored with settings {record.get('settings')}, this run has "
                                      f"{s.fingerprint()}; use another output folder")
-                if record is not None and all(k in record.get("answers", {}) for k in want):
+                if record is not None and not any(_todo(record, s).values()):
                     progress(f"{key} (done)")
                     continue
                 seed = f"{s.seed}-{task}-{length}-{index}"
@@ -249,7 +311,7 @@ def run_ruler(model, tokenizer, sources: Sources, s: RulerSettings, *, tasks: di
                               "outputs": list(sample.outputs)}
                 t0 = time.perf_counter()
                 run_sample(model, tokenizer, record, context, question, sample.outputs,
-                           sample.max_new_tokens, s, calibrated=calibrated)
+                           sample.max_new_tokens, s, calibrated=calibrated, split=split)
                 record["seconds"]["total"] = record["seconds"].get("total", 0.0) + time.perf_counter() - t0
                 save(key, record)
                 ran += 1
