@@ -166,17 +166,37 @@ def test_bootstrap_average_point_and_interval():
     assert d == (0.0, 0.0, 0.0)
 
 
-def test_leaderboard_rows_have_kvpress_shape():
-    recs = [{"task": t, "length": 1024, "index": i, "seconds": {"total": 1.0},
-             "scores": {"full": 1.0, "compress_once/knorm@0.5": i / 2, "compress_once/streaming_llm@0.5": 0.0}}
-            for t in ("a", "b") for i in range(2)]
-    board = leaderboard(recs, {"model": "m"}, pairs=(("knorm", "streaming_llm"),))
-    row = next(r for r in board["rows"] if r["method"] == "knorm")
+def _rec(task, i, full, knorm, stream, greedy_knorm=None):
+    f = lambda m, ll=-2.0: {"match": m, "loglik": ll, "tokens": 4}  # noqa: E731
+    scores = {"full": full} if greedy_knorm is None else {"full": full, "compress_once/knorm@0.5": greedy_knorm}
+    return {"task": task, "length": 1024, "index": i, "seconds": {"total": 1.0, "prefill": 0.5},
+            "validation": greedy_knorm is not None, "scores": scores,
+            "forced": {"full": f(full), "compress_once/knorm@0.5": f(knorm, -4.0 * (i + 1)),
+                       "compress_once/streaming_llm@0.5": f(stream)}}
+
+
+def test_leaderboard_rows_have_kvpress_shape_per_metric_and_subset():
+    recs = [_rec("a", 0, 1.0, 1.0, 0.0, greedy_knorm=1.0), _rec("a", 1, 0.0, 0.5, 0.0),
+            _rec("b", 0, 1.0, 0.0, 0.0, greedy_knorm=0.5), _rec("b", 1, 1.0, 1.0, 1.0)]
+    board = leaderboard(recs, {"model": "m"})
+    row = next(r for r in board["rows"] if r["method"] == "knorm" and r["metric"] == "forced_match"
+               and r["subset"] == "all")
     assert {k: row[k] for k in ("dataset", "data_dir", "model", "method", "compression_ratio")} == {
         "dataset": "ruler", "data_dir": "1024", "model": "m", "method": "knorm", "compression_ratio": 0.5}
-    assert row["scores"] == {"a": 25.0, "b": 25.0} and row["average"] == 25.0
-    assert board["paired"][0]["difference"] == 25.0
-    assert board["meta"]["compute_seconds"] == {"1024": 4.0}
+    assert row["scores"] == {"a": 75.0, "b": 50.0} and row["average"] == 62.5
+    # the samples the full cache answers correctly: a/0, b/0, b/1
+    row = next(r for r in board["rows"] if r["method"] == "knorm" and r["metric"] == "forced_match"
+               and r["subset"] == "full_correct")
+    assert row["scores"] == {"a": 100.0, "b": 50.0} and row["n_samples"] == {"a": 1, "b": 2}
+    ll = next(r for r in board["rows"] if r["method"] == "knorm" and r["metric"] == "loglik" and r["subset"] == "all")
+    assert ll["scores"] == {"a": (-1.0 - 2.0) / 2, "b": (-1.0 - 2.0) / 2}  # loglik / tokens, mean over samples
+    p = next(p for p in board["paired"] if p["metric"] == "forced_match" and p["subset"] == "all")
+    assert (p["a"], p["b"], p["difference"]) == ("knorm", "streaming_llm", 62.5 - (0.0 + 50.0) / 2)
+    assert board["meta"]["compute_seconds"] == {"1024": {"total": 4.0, "prefill": 2.0}}
+    assert board["meta"]["samples"] == {"1024": {"samples": 4, "full_correct": 3, "validation": 2}}
+    # greedy and forced on the same rows: full x4 (equal x4), knorm on a/0 (equal) and b/0 (0.5 vs 0)
+    assert board["agreement"]["total"] == {"rows": 6, "equal": 5, "both_right": 4, "greedy_only": 0,
+                                           "forced_only": 0, "both_wrong": 2}
 
 
 # --------------------------------------------------------------- runner on a tiny model

@@ -2,28 +2,41 @@
 
 A row: ``dataset`` (``"ruler"``), ``data_dir`` (the context length, as kvpress names its
 RULER folders ``"4096"``), ``model``, ``method`` (the arm; ``full`` is kvpress's
-``no_press``), ``protocol``, ``compression_ratio`` (0 for the full cache), ``scores``
-(per task: RULER's ``string_match_all``, 0 to 100), ``n_samples`` per task, ``average``
+``no_press``), ``protocol``, ``compression_ratio`` (0 for the full cache), ``metric``,
+``subset``, ``scores`` (per task, the mean over samples), ``n_samples`` per task, ``average``
 (the mean of the task scores) and ``average_ci95``.
+
+Metrics (per sample, per answer key): ``forced_match`` (100 x the share of expected strings
+greedy decoding would write after the gold answer's prefix, :mod:`.forced`), ``loglik`` (the
+gold answer's teacher-forced log-likelihood per token, nats), ``string_match`` (RULER's
+``string_match_all`` of the greedy answer: the full cache on every sample, the other rows on
+the validation subset). Subsets: ``all`` samples, and ``full_correct``: the samples whose
+full-cache greedy answer scores 100 (a compressed method cannot be judged where the model
+itself fails).
 
 The interval is a stratified percentile bootstrap over samples: each task's samples are
 drawn with replacement (its own count), the task means averaged; ``n_boot`` resamples,
 seeded. While some task has a single sample (which has no spread of its own) the samples
-of all tasks are resampled as one pool instead (the mean of the pooled samples). Differences
-between two methods (``paired``) resample the same samples for both.
+of all tasks are resampled as one pool instead (the mean of the pooled samples). Paired
+differences (``paired``: every pair of methods at a (length, protocol, ratio, metric, subset))
+resample the same samples for both; ``separated`` says whether the interval excludes 0.
+``agreement`` compares ``forced_match`` with ``string_match`` on the rows that have both.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import combinations
 
 import numpy as np
 
 from qfilters_mlx.evaluation.ruler.tasks import TASKS
 
-__all__ = ["N_BOOT", "bootstrap_average", "leaderboard"]
+__all__ = ["METRICS", "N_BOOT", "agreement", "bootstrap_average", "leaderboard"]
 
 N_BOOT = 2000
+METRICS = ("forced_match", "loglik", "string_match")
+SUBSETS = ("all", "full_correct")
 
 
 def bootstrap_average(per_task: list[np.ndarray], n_boot: int = N_BOOT, seed: int = 0,
@@ -63,53 +76,105 @@ def _split(key: str) -> tuple[str, str, float]:
     return protocol, arm, float(ratio)
 
 
-def leaderboard(records: list[dict], meta: dict | None = None,
-                pairs=(("qfilters", "streaming_llm"), ("qfilters", "knorm"),
-                       ("qfilters_online", "streaming_llm"))) -> dict:
-    """``{"meta", "rows", "paired"}`` from per-sample records (see the module doc).
+def _values(r: dict) -> dict[str, dict[str, float]]:
+    """``metric -> answer key -> value`` of one record."""
+    out = {"forced_match": {}, "loglik": {}, "string_match": {}}
+    for key, f in r.get("forced", {}).items():
+        out["forced_match"][key] = 100.0 * f["match"]
+        out["loglik"][key] = f["loglik"] / f["tokens"]
+    for key, s in r.get("scores", {}).items():
+        out["string_match"][key] = 100.0 * s
+    return out
 
-    ``paired``: per (length, protocol, ratio), the average difference ``a - b`` of each pair
-    of :data:`pairs` present, with its bootstrap interval (same samples for both).
+
+def _full_correct(r: dict) -> bool:
+    return r.get("scores", {}).get("full") == 1.0
+
+
+def agreement(records: list[dict]) -> dict:
+    """How often ``forced_match`` and the greedy ``string_match`` agree, over every (sample,
+    answer key) that has both: ``rows``, ``equal`` (the same share), and counts of
+    ``both_right`` / ``greedy_only`` / ``forced_only`` / ``both_wrong`` (right: share 1), per
+    protocol (``both`` is the full cache) and ``total``."""
+    out = defaultdict(lambda: dict.fromkeys(("rows", "equal", "both_right", "greedy_only", "forced_only",
+                                             "both_wrong"), 0))
+    for r in records:
+        for key, g in r.get("scores", {}).items():
+            f = r.get("forced", {}).get(key)
+            if f is None:
+                continue
+            for group in (_split(key)[0], "total"):
+                d = out[group]
+                d["rows"] += 1
+                d["equal"] += g == f["match"]
+                gr, fr = g == 1.0, f["match"] == 1.0
+                d["both_right" if gr and fr else "greedy_only" if gr else "forced_only" if fr else "both_wrong"] += 1
+    return {k: dict(v) for k, v in sorted(out.items())}
+
+
+def leaderboard(records: list[dict], meta: dict | None = None) -> dict:
+    """``{"meta", "rows", "paired", "agreement"}`` from per-sample records (see the module doc).
+
+    ``meta["compute_seconds"]``: per length, the records' summed wall-clock seconds per stage and
+    in total; ``meta["samples"]``: per length, samples and samples the full cache answers correctly.
     """
     meta = dict(meta or {})
-    by = defaultdict(lambda: defaultdict(dict))  # (length, answer key) -> task -> {index: score}
-    seconds = defaultdict(float)
+    # (length, metric, subset, answer key) -> task -> {index: value}
+    by = defaultdict(lambda: defaultdict(dict))
+    seconds = defaultdict(lambda: defaultdict(float))
+    counts = defaultdict(lambda: {"samples": 0, "full_correct": 0, "validation": 0})
     for r in records:
-        for key, score in r["scores"].items():
-            by[(r["length"], key)][r["task"]][r["index"]] = 100.0 * score
-        seconds[r["length"]] += r["seconds"].get("total", 0.0)
+        vals = _values(r)
+        subsets = ("all", "full_correct") if _full_correct(r) else ("all",)
+        for metric, keyed in vals.items():
+            for key, v in keyed.items():
+                for subset in subsets:
+                    by[(r["length"], metric, subset, key)][r["task"]][r["index"]] = v
+        for stage, sec in r.get("seconds", {}).items():
+            seconds[str(r["length"])][stage] += sec
+        c = counts[str(r["length"])]
+        c["samples"] += 1
+        c["full_correct"] += _full_correct(r)
+        c["validation"] += bool(r.get("validation"))
     model = meta.get("model", "")
     order = {t: i for i, t in enumerate(TASKS)}
     tsort = lambda items: sorted(items, key=lambda kv: (order.get(kv[0], len(order)), kv[0]))  # noqa: E731
     rows = []
-    for (length, key), tasks in sorted(by.items(), key=lambda kv: (kv[0][0], _split(kv[0][1]))):
+    for (length, metric, subset, key), tasks in sorted(
+            by.items(), key=lambda kv: (kv[0][0], METRICS.index(kv[0][1]), SUBSETS.index(kv[0][2]), _split(kv[0][3]))):
         protocol, arm, ratio = _split(key)
         per_task = [np.array(list(v.values())) for _, v in tsort(tasks.items())]
         avg, low, high = bootstrap_average(per_task)
         rows.append({"dataset": "ruler", "data_dir": str(length), "model": model, "method": arm,
-                     "protocol": protocol, "compression_ratio": ratio,
+                     "protocol": protocol, "compression_ratio": ratio, "metric": metric, "subset": subset,
                      "scores": {t: float(np.mean(list(v.values()))) for t, v in tsort(tasks.items())},
                      "n_samples": {t: len(v) for t, v in tsort(tasks.items())},
                      "average": avg, "average_ci95": [low, high]})
     paired = []
-    keys = {(length, key) for length, key in by}
-    for length in sorted({k[0] for k in keys}):
-        for protocol in ("compress_once", "streaming"):
-            ratios = sorted({_split(k)[2] for ln, k in keys if ln == length and _split(k)[0] == protocol})
-            for ratio in ratios:
-                for a, b in pairs:
-                    ka, kb = f"{protocol}/{a}@{ratio:g}", f"{protocol}/{b}@{ratio:g}"
-                    if (length, ka) not in keys or (length, kb) not in keys:
-                        continue
-                    ta, tb = by[(length, ka)], by[(length, kb)]
-                    per_task = []
-                    for t in sorted(set(ta) & set(tb)):
-                        common = sorted(set(ta[t]) & set(tb[t]))
-                        per_task.append(np.array([[ta[t][i] for i in common], [tb[t][i] for i in common]]))
-                    d, low, high = bootstrap_average(per_task)
-                    paired.append({"data_dir": str(length), "protocol": protocol, "compression_ratio": ratio,
-                                   "a": a, "b": b, "difference": d, "ci95": [low, high]})
-    meta["compute_seconds"] = {str(k): v for k, v in sorted(seconds.items())}
+    groups = defaultdict(list)  # (length, metric, subset, protocol, ratio) -> methods
+    for length, metric, subset, key in by:
+        protocol, arm, ratio = _split(key)
+        if arm != "full":
+            groups[(length, metric, subset, protocol, ratio)].append(arm)
+    for (length, metric, subset, protocol, ratio), arms in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], METRICS.index(kv[0][1]), SUBSETS.index(kv[0][2]), kv[0][3], kv[0][4])):
+        for a, b in combinations(sorted(arms), 2):
+            ta = by[(length, metric, subset, f"{protocol}/{a}@{ratio:g}")]
+            tb = by[(length, metric, subset, f"{protocol}/{b}@{ratio:g}")]
+            per_task = []
+            for t in sorted(set(ta) & set(tb)):
+                common = sorted(set(ta[t]) & set(tb[t]))
+                if common:
+                    per_task.append(np.array([[ta[t][i] for i in common], [tb[t][i] for i in common]]))
+            if not per_task:
+                continue
+            d, low, high = bootstrap_average(per_task)
+            paired.append({"data_dir": str(length), "metric": metric, "subset": subset, "protocol": protocol,
+                           "compression_ratio": ratio, "a": a, "b": b, "difference": d, "ci95": [low, high],
+                           "n_samples": int(sum(x.shape[1] for x in per_task)),
+                           "separated": bool(low > 0 or high < 0)})
+    meta["compute_seconds"] = {k: dict(v) for k, v in sorted(seconds.items(), key=lambda kv: int(kv[0]))}
+    meta["samples"] = dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
     meta["bootstrap"] = (f"percentile bootstrap over samples, {N_BOOT} resamples, seed 0: stratified by "
                          "task when every task has two samples or more, else over the pooled samples")
-    return {"meta": meta, "rows": rows, "paired": paired}
+    return {"meta": meta, "rows": rows, "paired": paired, "agreement": agreement(records)}
