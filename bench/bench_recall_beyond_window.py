@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -86,7 +87,8 @@ def run(a, results: dict, save) -> None:
             oracles = dict(zip(bs, oracle_arms(model, p.tokens, [config("oracle", b, hd) for b in bs]))) if bs else {}
             for arm, b in todo:
                 if arm == "default" and filters is None:
-                    filters, results["default_filters"] = default_filters(model, tokenizer)
+                    filters, origin = default_filters(model, tokenizer)
+                    results["default_filters"] = re.sub(r"/tmp/\S+ ", "", origin)
                 tic = time.perf_counter()
                 m = oracles[b] if arm == "oracle" else MaskedArm(config(arm, b, hd), filters=filters)
                 nll, arg = simulated_predictions(model, p.tokens, m, PREFIX)
@@ -125,7 +127,7 @@ def markdown(results: dict, s: dict) -> str:
              f"{s['prompts']} prompts of {min(ptoks)}-{max(ptoks)} tokens (key {min(dist)}-{max(dist)} tokens before "
              f"the end of the prompt); the full cache recalls the key in {s['full_recalled']} of them; "
              f"shares below over the {s['counted']} of those where every arm ran. Default filters: "
-             f"{results.get('default_filters', '-')}.", "",
+             f"{re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}.", "",
              "Recalled / prompts the full cache recalls [exact 95% interval]; median NLL of the key's "
              f"tokens in nats (full cache: {s['median_full_key_nll']:.2f}):", ""]
     rows = []

@@ -58,7 +58,7 @@ def _check(*series) -> None:
 
 def pooled_ratio_bootstrap(cells: dict, full: list, *, block: int = 64, n_boot: int = 2000, level: float = 0.95,
                            seed: int = 0) -> dict:
-    """Pooled gap ratios of several (arm, budget) cells, their mean over budgets, and two-stage
+    """Pooled gap ratios of several (arm, budget) cells, of all budgets of an arm, and two-stage
     bootstrap percentile intervals, every cell on the same resamples.
 
     Args:
@@ -69,8 +69,9 @@ def pooled_ratio_bootstrap(cells: dict, full: list, *, block: int = 64, n_boot: 
         n_boot, level, seed: resamples, interval coverage, RNG seed.
 
     Returns:
-        ``{arm: {budget: (ratio, low, high), "all": (mean over budgets, low, high)}}`` for every
-        arm but StreamingLLM.
+        ``{arm: {budget: (ratio, low, high), "all": (ratio, low, high)}}`` for every arm but
+        StreamingLLM; ``"all"`` pools every budget of the arm too (its gaps summed over segments
+        and budgets, over StreamingLLM's).
 
     Raises:
         ValueError: a budget without StreamingLLM, segments of different lengths across series,
@@ -103,24 +104,24 @@ def pooled_ratio_bootstrap(cells: dict, full: list, *, block: int = 64, n_boot: 
             means[r, m] = block_sums[i][:, pick].sum(-1) / (k * block)
     point = np.array([[np.mean(s[i]) for s in series] for i in range(n)])[None]  # [1, n, n_series]
 
-    def ratios(m):  # [R, n, n_series] -> {(arm, budget): [R]}
-        gaps = np.exp(m) - np.exp(m[..., :1])
-        g = {k: gaps[..., j + 1].sum(-1) for j, k in enumerate(keys)}
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return {k: g[k] / g[("streaming_llm", k[1])] for k in keys if k[0] != "streaming_llm"}
+    def gaps(m):  # [R, n, n_series] -> {(arm, budget): [R]}, summed over the drawn segments
+        g = np.exp(m) - np.exp(m[..., :1])
+        return {k: g[..., j + 1].sum(-1) for j, k in enumerate(keys)}
 
-    at, boot = ratios(point), ratios(means)
+    def ratio(g, arm, budgets):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (sum(g[(arm, b)] for b in budgets) / sum(g[("streaming_llm", b)] for b in budgets))
+
+    at, boot = gaps(point), gaps(means)
     a = (1 - level) / 2
     out = {}
     for arm in arms:
         budgets = sorted(b for x, b in keys if x == arm)
         row = {}
-        for b in budgets:
-            lo, hi = np.quantile(boot[(arm, b)], [a, 1 - a])
-            row[b] = (float(at[(arm, b)][0]), float(lo), float(hi))
-        mean_boot = np.mean([boot[(arm, b)] for b in budgets], axis=0)
-        lo, hi = np.quantile(mean_boot, [a, 1 - a])
-        row["all"] = (float(np.mean([at[(arm, b)][0] for b in budgets])), float(lo), float(hi))
+        for b in budgets + ["all"]:
+            bs = budgets if b == "all" else [b]
+            lo, hi = np.quantile(ratio(boot, arm, bs), [a, 1 - a])
+            row[b] = (float(ratio(at, arm, bs)[0]), float(lo), float(hi))
         out[arm] = row
     return out
 
