@@ -6,8 +6,10 @@ context, the LM head on every prefill position), loaded from git into a private 
 that both run in one process; "after" is the checked-out runner
 (:func:`qfilters_mlx.evaluation.ruler.runner.run_sample`). Both run on the same sample, the same
 model, filters and settings (chunk 512, calib 128), alternating ``before, after, before, after``
-per ``--repeats`` so a change of machine load hits both alike; the ratio of the paired times is
-the result.
+per ``--repeats`` (odd repeats in the reverse order) so a change of machine load hits both alike;
+the ratio of the paired times is the result, in wall-clock seconds and in the process's CPU
+seconds (less sensitive to other jobs on the machine, though BLAS threads waiting for a core
+count too).
 
 Usage (from the repository root)::
 
@@ -17,6 +19,10 @@ Usage (from the repository root)::
 "after" runs twice per repeat: with the default arms (``qfilters``, ``knorm``, ``streaming_llm``)
 and with every arm of "before" (adding ``qfilters_online`` and ``random``), both as a sample
 outside the greedy validation subset (greedy decoding for the full cache only).
+
+Writes ``--out`` (JSON: every timed run with its stages and the load average before and after) and
+its ``.md`` (per sample, the paired ratios after / before); ``--report-only`` rewrites the ``.md``
+from the JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import common  # noqa: F401  (fast BLAS before MLX)
@@ -64,6 +71,43 @@ def before_package(rev: str):
     return importlib.import_module("ruler_before.runner")
 
 
+def write_markdown(out: Path, res: dict) -> None:
+    """``out`` with ``.md``: per (sample, repeat) the seconds of each variant, the paired ratios
+    after / before, the stages of "after" and the load averages."""
+    runs = defaultdict(dict)
+    for r in res["runs"]:
+        runs[(r["sample"], r["repeat"])][r["variant"]] = r
+    rows = []
+    for (sample, rep), v in sorted(runs.items()):
+        b, a, aa = v.get("before"), v.get("after"), v.get("after_all_arms")
+
+        def cell(x, key="seconds"):
+            return f"{x[key]:.1f}" if x and key in x else ""
+
+        def ratio(x, key="seconds"):
+            return f"{x[key] / b[key]:.2f}" if x and b and key in x and key in b else ""
+
+        st = a["stages"] if a else {}
+        rows.append([sample, rep, cell(b), cell(a), ratio(a), cell(aa), ratio(aa), ratio(a, "cpu_seconds"),
+                     ratio(aa, "cpu_seconds"),
+                     " / ".join(f"{st.get(k, 0):.1f}" for k in ("prefill", "forced", "greedy")),
+                     f"{min(x['loadavg_start'][0] for x in v.values()):.1f}-"
+                     f"{max(x['loadavg_end'][0] for x in v.values()):.1f}"])
+    lines = ["# One RULER sample before and after the shared, teacher-forced runner", "",
+             f"Command: `python bench/bench_ruler_sample_cost.py` (before: commit `{res['meta'].get('before')}`; "
+             "after: the checkout measured, `meta.code` in the JSON). SmolLM2-135M-Instruct float32, chunk 512, "
+             "2 CPU cores shared with other jobs (1-minute load average during each pair in the last column: "
+             "2 means both cores busy).", "",
+             "*before*: the five arms (qfilters, qfilters_online, knorm, streaming_llm, random) at 4 ratios + "
+             "the full cache, every row decoded greedily. *after*: the default arms (qfilters, knorm, "
+             "streaming_llm), teacher-forced scoring of every row, greedy decoding of the full cache only (a "
+             "sample outside the validation subset). *after, all arms*: the same five arms as before.", ""]
+    lines += common.md_table(["sample", "repeat", "before s", "after s", "after / before", "after, all arms s",
+                              "all arms / before", "after / before, CPU s", "all arms / before, CPU s",
+                              "after: prefill / forced / greedy s", "load"], rows, "llrrrrrrrll")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", nargs="+", default=["2048/niah_single_2/0", "2048/cwe/0"],
@@ -72,13 +116,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--before", default=BEFORE, help=f"commit of 'before' (default {BEFORE})")
     ap.add_argument("--out", default=str(common.RESULTS / "ruler_sample_cost.json"))
+    ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the JSON")
     args = ap.parse_args()
+    out = Path(args.out)
+    if args.report_only:
+        write_markdown(out, json.loads(out.read_text()))
+        return
 
     model, tok = load(str(prepare_model()))
     mx.set_cache_limit(1 << 30)
     calibrated, _ = load_filters(str(FILTERS), model)
     sources = Sources(tuple(essay_sentences(source_text())))
-    out = Path(args.out)
     res = json.loads(out.read_text()) if out.exists() else {"runs": []}
     res["meta"] = common.run_meta(before=args.before)
     old = before_package(args.before) if "before" in args.which else None
@@ -97,14 +145,16 @@ def main() -> None:
                 variants.append(("after", new, new.RulerSettings(validation_samples=0)))
                 variants.append(("after_all_arms", new,
                                  new.RulerSettings(validation_samples=0, compress_arms=ALL_ARMS)))
-            for name, mod, s in variants:
+            for name, mod, s in (variants if rep % 2 == 0 else variants[::-1]):
                 load0 = os.getloadavg()
                 record = {"index": index}
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 mod.run_sample(model, tok, record, context, question, sample.outputs, sample.max_new_tokens,
                                s, calibrated=calibrated)
                 sec = time.perf_counter() - t0
-                run = {"sample": key, "variant": name, "repeat": rep, "seconds": sec,
+                cpu = time.process_time() - c0
+                run = {"sample": key, "variant": name, "repeat": rep, "seconds": sec, "cpu_seconds": cpu,
                        "stages": record.get("seconds", {}), "loadavg_start": load0,
                        "loadavg_end": os.getloadavg(), "context_tokens": len(context),
                        "question_tokens": len(question), "max_new_tokens": sample.max_new_tokens,
@@ -113,6 +163,7 @@ def main() -> None:
                 res["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 out.write_text(json.dumps(res, indent=1) + "\n")
+                write_markdown(out, res)
 
 
 if __name__ == "__main__":

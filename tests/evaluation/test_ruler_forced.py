@@ -276,3 +276,73 @@ def test_forced_and_greedy_scoring_agree_where_the_answer_is_forced():
         ans, _ = gold_answer(tok, outputs)
         ref = _log_softmax_at(model(mx.array(c + q + ans[:-1])[None])[0, len(c) + len(q) - 1:], ans)
         assert rec["forced"]["full"]["loglik"] == pytest.approx(float(ref.sum()), rel=1e-4)
+
+
+# ----------------------------------------------------------------- prompt-lookup decoding
+@pytest.mark.parametrize("seq, k, expected", [
+    ([1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),  # trigram "1 2 3" occurred before, followed by 9 1
+    ([5, 1, 2, 7, 7, 2], 3, [7, 7, 2]),  # only the unigram "2" occurs before
+    ([4, 5, 6], 3, []),  # nothing repeats
+    ([1, 2, 1, 2, 1, 2], 8, [1, 2]),  # the most recent earlier occurrence, up to the end
+    ([1, 1], 0, []),
+])
+def test_draft_is_the_continuation_of_the_latest_ngram_occurrence(seq, k, expected):
+    from qfilters_mlx.evaluation.ruler.decode import draft
+
+    assert draft(seq, k) == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lookup_greedy_answers_as_one_token_per_call(seed):
+    """Prompt-lookup decoding on a copy of the prefill equals greedy decoding one token per call
+    (mlx-lm's KVCache, the same model), on a prompt whose answer repeats its context."""
+    from mlx_lm.models.cache import KVCache
+
+    from qfilters_mlx.evaluation.ruler.decode import greedy_from, lookup_greedy
+
+    model = tiny_model(seed)
+    split = split_model(model)
+    tok, s, c, q = _sample(seed=f"lk-{seed}")
+    n = 40
+    caches = [KVCache() for _ in model.layers]
+    for i in range(0, len(c), CHUNK):
+        model(mx.array(c[i:i + CHUNK])[None], cache=caches)
+    logits = model(mx.array(q)[None], cache=caches)[:, -1]
+    ref = greedy_from(split, caches, logits, n, {EOS})[0]
+    caches = [KVCache() for _ in model.layers]
+    for i in range(0, len(c), CHUNK):
+        model(mx.array(c[i:i + CHUNK])[None], cache=caches)
+    got = lookup_greedy(split, caches, c, q, n, {EOS}, k=6)
+    assert got == ref
+    # rejected drafts were trimmed: the cache holds the prompt and the answer fed so far, as a
+    # cache fed them in plain calls does
+    fed = q + got[:-1]
+    assert caches[0].offset == len(c) + len(fed)
+    again = [KVCache() for _ in model.layers]
+    for i in range(0, len(c), CHUNK):
+        model(mx.array(c[i:i + CHUNK])[None], cache=again)
+    model(mx.array(fed)[None], cache=again)
+    for a, b in zip(caches, again):
+        np.testing.assert_allclose(np.asarray(a.keys[:, :, :a.offset]), np.asarray(b.keys[:, :, :b.offset]),
+                                   rtol=1e-4, atol=1e-4)
+    stop = lookup_greedy(split, [KVCache() for _ in model.layers], [], c[:50], 10, {EOS}, finished=lambda ids: len(ids) == 3)
+    assert len(stop) <= 3
+
+
+def test_lookup_greedy_accepts_drafts_on_a_repeating_answer():
+    """On the bigram model cycling a -> b -> c -> a, the answer repeats itself: drafts are accepted
+    and the 30 tokens cost far fewer than 30 calls."""
+    from mlx_lm.models.cache import KVCache
+
+    from qfilters_mlx.evaluation.ruler.decode import lookup_greedy
+
+    a, b, c_ = ord("a"), ord("b"), ord("c")
+    model = bigram_model({ord("e"): a, a: b, b: c_, c_: a})
+    split = split_model(model)
+    tok, s, c, q = _sample()
+    calls = []
+    body = split.body
+    split.body = lambda *x, **kw: calls.append(1) or body(*x, **kw)
+    got = lookup_greedy(split, [KVCache() for _ in model.layers], [], c + q, 30, {EOS}, k=6)
+    assert tok.decode(got) == "abc" * 10
+    assert len(calls) <= 12  # 1 + 30 without drafts

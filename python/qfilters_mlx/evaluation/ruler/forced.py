@@ -11,7 +11,7 @@ predict a gold token (:func:`forced_scores`). Per row this gives
   argmax of its position: the strings greedy decoding would write if it had started the answer
   as the gold continuation does. It plays the role of RULER's ``string_match_all`` share.
 
-Greedy decoding (:func:`greedy`) stays for the full cache and the validation subset; how often
+Greedy decoding (:mod:`.decode`) stays for the full cache and the validation subset; how often
 ``match`` and the greedy score agree is reported by :mod:`.leaderboard`.
 
 The model's forward is split into its transformer body (hidden states) and its LM head
@@ -25,7 +25,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-__all__ = ["ForwardSplit", "forced_scores", "gold_answer", "greedy", "greedy_from", "split_model", "summarize"]
+__all__ = ["ForwardSplit", "forced_scores", "gold_answer", "split_model", "summarize"]
 
 
 class ForwardSplit:
@@ -131,36 +131,4 @@ def summarize(logp: mx.array, hit: mx.array, spans: list[tuple[int, int]]) -> li
     for row_lp, row_h in zip(lp, h):
         found = sum(all(row_h[a:b]) for a, b in spans)
         out.append({"loglik": float(sum(row_lp)), "tokens": len(row_lp), "match": found / len(spans)})
-    return out
-
-
-def greedy(split: ForwardSplit, caches, tokens: list[int], rows: int, max_tokens: int, eos: set[int],
-           finished: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
-    """Feed ``tokens`` to every row in one call (the LM head on its last position only), then
-    :func:`greedy_from`."""
-    x = mx.broadcast_to(mx.array(tokens)[None], (rows, len(tokens)))
-    logits = split.head(split.body(x, cache=caches)[:, -1:])[:, -1]
-    return greedy_from(split, caches, logits, max_tokens, eos, finished)
-
-
-def greedy_from(split: ForwardSplit, caches, logits: mx.array, max_tokens: int, eos: set[int],
-                finished: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
-    """Up to ``max_tokens`` greedy tokens per row, the first the argmax of ``logits`` ``[R, vocab]``,
-    each next one fed through ``caches``, stopping when every row has produced a token of ``eos``
-    or is ``finished(ids)`` (e.g. every expected string already written: its score cannot change).
-    Returns per row the ids before its first ``eos`` token (up to where it finished)."""
-    rows = logits.shape[0]
-    out: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
-    for step in range(max_tokens):
-        nxt = mx.argmax(logits, axis=-1)
-        for i, t in enumerate(nxt.tolist()):
-            if not done[i]:
-                done[i] = t in eos
-                if not done[i]:
-                    out[i].append(t)
-                    done[i] = finished is not None and finished(out[i])
-        if all(done) or step + 1 == max_tokens:
-            break
-        logits = split.head(split.body(nxt[:, None], cache=caches))[:, -1]
     return out

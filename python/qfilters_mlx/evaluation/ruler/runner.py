@@ -31,7 +31,8 @@ from typing import Callable
 import mlx.core as mx
 
 from qfilters_mlx.evaluation.ruler.arms import DEFAULT_COMPRESS_ARMS, STREAMING_ARMS, arm_by_name
-from qfilters_mlx.evaluation.ruler.forced import forced_scores, gold_answer, greedy, greedy_from, split_model, summarize
+from qfilters_mlx.evaluation.ruler.decode import greedy, greedy_from, lookup_greedy
+from qfilters_mlx.evaluation.ruler.forced import forced_scores, gold_answer, split_model, summarize
 from qfilters_mlx.evaluation.ruler.prompt import fit, sample_tokens
 from qfilters_mlx.evaluation.ruler.rows import compressed_kv, forked_row, stacked_cache
 from qfilters_mlx.evaluation.ruler.scoring import sample_score
@@ -127,7 +128,8 @@ def _eos(tokenizer) -> set[int]:
 def _prefill(split, model, context: list[int], chunk: int, head_dim: int, calib_tokens: int, backend: str,
              online: bool):
     """The context's keys/values per layer (``[1, H_kv, T, D]``) and, with ``online``, the online
-    query filter per layer (else ``None``), from ``chunk``-token calls of the model's body."""
+    query filter per layer (else ``None``), from ``chunk``-token calls of the model's body (only
+    the caches are evaluated: no LM head, no final norm, no last-layer MLP)."""
     from mlx_lm.models.cache import KVCache
 
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
@@ -142,13 +144,15 @@ def _prefill(split, model, context: list[int], chunk: int, head_dim: int, calib_
         caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(n_layers)]
         with observe_queries(model, caches):
             for i in range(0, len(context), chunk):
-                mx.eval(split.body(mx.array(context[i:i + chunk])[None], cache=caches)[:, -1])
+                split.body(mx.array(context[i:i + chunk])[None], cache=caches)
+                mx.eval([c.keys for c in caches])
         kv = [(c.keys[:, :, :c.size()], c.values[:, :, :c.size()]) for c in caches]
         filters = [c.filter for c in caches]
     else:
         caches = [KVCache() for _ in range(n_layers)]
         for i in range(0, len(context), chunk):
-            mx.eval(split.body(mx.array(context[i:i + chunk])[None], cache=caches)[:, -1])
+            split.body(mx.array(context[i:i + chunk])[None], cache=caches)
+            mx.eval([(c.keys, c.values) for c in caches])  # the caches only: no head, no last MLP
         kv = [(c.keys[:, :, :c.offset], c.values[:, :, :c.offset]) for c in caches]
         filters = None
     mx.eval(kv)
@@ -227,7 +231,16 @@ def run_sample(model, tokenizer, record: dict, context: list[int], question: lis
             for key, r in zip(keys, summarize(*forced_scores(split.head, hidden, answer), spans)):
                 forced[key] = r
         add("forced", t0)
-    if todo["greedy"]:
+    if todo["greedy"] == ["full"]:  # one row: prompt-lookup decoding on a copy of the prefill
+        t0 = time.perf_counter()
+        from mlx_lm.models.cache import KVCache
+
+        caches = [KVCache() for _ in kv]
+        for c, (k, v) in zip(caches, kv):
+            c.update_and_fetch(k, v)
+        put("full", lookup_greedy(split, caches, context, question, max_new_tokens, eos, found_all))
+        add("greedy", t0)
+    elif todo["greedy"]:
         t0 = time.perf_counter()
         keys = todo["greedy"]
         caches = stacked_cache([stored[k] for k in keys], T)
