@@ -31,7 +31,7 @@ from typing import Callable
 import mlx.core as mx
 
 from qfilters_mlx.evaluation.ruler.arms import DEFAULT_COMPRESS_ARMS, STREAMING_ARMS, arm_by_name
-from qfilters_mlx.evaluation.ruler.decode import greedy, greedy_from, lookup_greedy
+from qfilters_mlx.evaluation.ruler.decode import greedy, greedy_from
 from qfilters_mlx.evaluation.ruler.forced import forced_scores, gold_answer, split_model, summarize
 from qfilters_mlx.evaluation.ruler.prompt import fit, sample_tokens
 from qfilters_mlx.evaluation.ruler.rows import compressed_kv, forked_row, stacked_cache
@@ -231,16 +231,7 @@ def run_sample(model, tokenizer, record: dict, context: list[int], question: lis
             for key, r in zip(keys, summarize(*forced_scores(split.head, hidden, answer), spans)):
                 forced[key] = r
         add("forced", t0)
-    if todo["greedy"] == ["full"]:  # one row: prompt-lookup decoding on a copy of the prefill
-        t0 = time.perf_counter()
-        from mlx_lm.models.cache import KVCache
-
-        caches = [KVCache() for _ in kv]
-        for c, (k, v) in zip(caches, kv):
-            c.update_and_fetch(k, v)
-        put("full", lookup_greedy(split, caches, context, question, max_new_tokens, eos, found_all))
-        add("greedy", t0)
-    elif todo["greedy"]:
+    if todo["greedy"]:
         t0 = time.perf_counter()
         keys = todo["greedy"]
         caches = stacked_cache([stored[k] for k in keys], T)
