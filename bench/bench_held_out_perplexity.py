@@ -35,6 +35,8 @@ StreamingLLM budget matching the arm's pooled perplexity at B, over B).
 Usage (resumable: cells in the output are kept; ``--report`` rewrites the tables only)::
 
     python bench/bench_held_out_perplexity.py [--segments prose-0,code-difflib] [--budgets 64,128]
+    python bench/bench_held_out_perplexity.py --tokens 2048 --budgets 512 \
+        --out bench/results/held_out_perplexity_2k.json   # budget 512 with eviction over 1,536 tokens
 
 Writes ``bench/results/held_out_perplexity.json`` and ``.md``.
 """
@@ -71,7 +73,7 @@ OUT = common.RESULTS / "held_out_perplexity.json"
 
 
 def segment_text(name: str) -> tuple[str, str]:
-    """``(text, where)`` of a named segment (the first :data:`TOKENS` tokens are used)."""
+    """``(text, where)`` of a named segment (its first ``--tokens`` tokens are used)."""
     if name.startswith("prose-"):
         at = int(name[len("prose-"):].replace("k", "000"))
         text = source_text()
@@ -127,9 +129,9 @@ def run(a, results: dict, save) -> None:
     filters = None
     for seg in a.segments:
         text, where = segment_text(seg)
-        ids = tokenizer.encode(text, add_special_tokens=False)[:TOKENS]
-        if len(ids) < TOKENS:
-            raise ValueError(f"{seg}: {len(ids)} tokens, {TOKENS} needed")
+        ids = tokenizer.encode(text, add_special_tokens=False)[:a.tokens]
+        if len(ids) < a.tokens:
+            raise ValueError(f"{seg}: {len(ids)} tokens, {a.tokens} needed")
         cells = results["segments"].setdefault(seg, {})
         results["segment_sources"][seg] = where
         if "full" not in cells:
@@ -158,12 +160,13 @@ def run(a, results: dict, save) -> None:
 
 
 def complete(results: dict) -> tuple[list, list]:
-    """The segments with every cell of every budget measured (in :data:`SEGMENTS` order), and
-    the budgets."""
+    """The segments with every arm measured at every budget any cell has (in :data:`SEGMENTS`
+    order), and those budgets."""
     segs = results.get("segments", {})
+    budgets = sorted({c["budget"] for cells in segs.values() for k, c in cells.items() if k != "full"})
     done = [s for s in SEGMENTS if s in segs and "full" in segs[s]
-            and all(f"{arm}@{b}" in segs[s] for arm in ARMS for b in BUDGETS)]
-    return done, list(BUDGETS)
+            and all(f"{arm}@{b}" in segs[s] for arm in ARMS for b in budgets)]
+    return done, budgets
 
 
 def statistics(results: dict) -> dict:
@@ -180,7 +183,7 @@ def statistics(results: dict) -> dict:
     full_ppl = float(np.exp(np.mean([np.mean(x) for x in full])))
     sl = [ppl["streaming_llm"][b] for b in budgets]
     equiv = {arm: {b: equivalent_budget(budgets, sl, ppl[arm][b]) for b in budgets}
-             for arm in ARMS if arm != "streaming_llm"}
+             for arm in ARMS if arm != "streaming_llm"} if len(budgets) > 1 else None
     return {"segments": segs, "budgets": budgets, "pooled": pooled, "per_cell": per_cell, "ppl": ppl,
             "full_ppl": full_ppl, "equivalent_budget": equiv}
 
@@ -190,7 +193,7 @@ def markdown(results: dict, st: dict) -> str:
     lines = ["# Held-out perplexity: StreamingLLM, the default, the oracle (SmolLM2-135M-Instruct)", "",
              "Commands:", "", *[f"    {c}" for c in results["commands"]], "",
              f"Simulated streaming eviction, {PREFIX}-token first call then token by token, "
-             f"{TOKENS - PREFIX} scored tokens per segment, 4 sinks; default and oracle: recent window budget/2. "
+             f"{results['settings']['tokens'] - PREFIX} scored tokens per segment, 4 sinks; default and oracle: recent window budget/2. "
              f"Default filters: {re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}.", "",
              "Segments: " + "; ".join(f"`{s}`: {results['segment_sources'][s]}" for s in segs) + ".", "",
              "Perplexity pooled over the segments (exp of the mean NLL of all scored tokens):", ""]
@@ -205,13 +208,15 @@ def markdown(results: dict, st: dict) -> str:
         rows.append([arm] + [f"{p[b][0]:.3f} [{p[b][1]:.3f}, {p[b][2]:.3f}]" for b in budgets]
                     + [f"{p['all'][0]:.3f} [{p['all'][1]:.3f}, {p['all'][2]:.3f}]"])
     lines += common.md_table(["arm"] + [f"budget {b}" for b in budgets] + ["all budgets"], rows)
-    lines += ["", "Memory-equivalence: the StreamingLLM budget with the arm's pooled perplexity at B, "
-              "as a multiple of B (interpolated in log budget; * extrapolated beyond the measured budgets):", ""]
-    rows = []
-    for arm in ("default", "oracle"):
-        e = st["equivalent_budget"][arm]
-        rows.append([arm] + [f"x{e[b][0] / b:.2f}{'*' if e[b][1] else ''} ({e[b][0]:.0f})" for b in budgets])
-    lines += common.md_table(["arm"] + [f"budget {b}" for b in budgets], rows)
+    if st["equivalent_budget"]:
+        lines += ["", "Memory-equivalence: the StreamingLLM budget with the arm's pooled perplexity at B, "
+                  "as a multiple of B (interpolated in log budget; * extrapolated beyond the measured budgets):",
+                  ""]
+        rows = []
+        for arm in ("default", "oracle"):
+            e = st["equivalent_budget"][arm]
+            rows.append([arm] + [f"x{e[b][0] / b:.2f}{'*' if e[b][1] else ''} ({e[b][0]:.0f})" for b in budgets])
+        lines += common.md_table(["arm"] + [f"budget {b}" for b in budgets], rows)
     lines += ["", "Gap ratio to StreamingLLM per segment (point estimates):", ""]
     rows = []
     for arm in ("default", "oracle"):
@@ -219,6 +224,11 @@ def markdown(results: dict, st: dict) -> str:
             r = st["per_cell"][arm][s]
             rows.append([arm, s] + [f"{r[b]:.2f}" for b in budgets])
     lines += common.md_table(["arm", "segment"] + [f"budget {b}" for b in budgets], rows)
+    S = results["segments"]
+    lines += ["", "Perplexity per segment, full cache / StreamingLLM / default / oracle:", ""]
+    rows = [[s, f"{S[s]['full']['ppl']:.2f}"] + [" / ".join(f"{S[s][f'{arm}@{b}']['ppl']:.2f}" for arm in ARMS)
+                                                 for b in budgets] for s in segs]
+    lines += common.md_table(["segment", "full"] + [f"budget {b}" for b in budgets], rows)
     d = st["pooled"]["default"]
     worst = max((st["per_cell"]["default"][s][b], s, b) for s in segs for b in budgets)
     ok_pool, ok_cell = d["all"][2] <= 1.0, worst[0] <= CELL_BAR
@@ -235,6 +245,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--segments", type=lambda s: s.split(","), default=list(SEGMENTS))
     p.add_argument("--budgets", type=common.int_list, default=list(BUDGETS))
+    p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per segment (prefix included)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--report", action="store_true", help="only rewrite the tables from the results")
     a = p.parse_args()
@@ -243,7 +254,9 @@ def main() -> int:
     out = common.Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("meta", common.run_meta(python=sys.version.split()[0]))
-    results.setdefault("settings", {"prefix": PREFIX, "tokens": TOKENS, "n_sink": N_SINK})
+    settings = {"prefix": PREFIX, "tokens": a.tokens, "n_sink": N_SINK}
+    if results.setdefault("settings", settings) != settings and not a.report:
+        raise SystemExit(f"{out} holds results of other settings ({results['settings']}); use another --out")
     results.setdefault("segments", {})
     results.setdefault("segment_sources", {})
     if not a.report:

@@ -27,8 +27,10 @@ the recent window: :func:`qfilters_mlx.evaluation.simulate.oracle_arms`).
 Usage (resumable; ``--report`` rewrites the tables only)::
 
     python bench/bench_recall_beyond_window.py [--offsets 200000,215000] [--depths 0.1,0.3]
+    python bench/bench_recall_beyond_window.py --context 950 --budgets 256,128 \
+        --out bench/results/recall_beyond_window_1k.json   # prompts of about 1,070 tokens
 
-Writes ``bench/results/recall_beyond_window.json`` and ``.md``.
+Writes ``bench/results/recall_beyond_window.json`` and ``.md`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def run(a, results: dict, save) -> None:
         hay = text[text.index("\n\n", off) + 2:]
         for depth in a.depths:
             name = f"{off}@{depth}"
-            p = needle_prompt(tokenizer, hay, CONTEXT, depth, pass_key(off, CONTEXT, depth))
+            p = needle_prompt(tokenizer, hay, a.context, depth, pass_key(off, a.context, depth))
             cell = results["prompts"].setdefault(name, {})
             cell.update(prompt_tokens=p.prompt_tokens, needle_distance=p.distance, key=p.key,
                         sequence_tokens=len(p.tokens))
@@ -104,10 +106,11 @@ def summary(results: dict) -> dict:
     """Per (arm, budget): recalled / prompts the full cache recalls, its exact 95% interval,
     and the median key NLL (nats), over the prompts where every arm has run."""
     P = results["prompts"]
+    budgets = results["settings"]["budgets"]
     hits = [n for n, c in P.items() if c.get("full", {}).get("recalled")]
-    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in ARMS for b in BUDGETS)]
+    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in ARMS for b in budgets)]
     out = {"prompts": len(P), "full_recalled": len(hits), "counted": len(done), "cells": {}}
-    for b in BUDGETS:
+    for b in budgets:
         for arm in ARMS:
             k = sum(P[n][f"{arm}@{b}"]["recalled"] for n in done)
             ci = binomtest(k, len(done)).proportion_ci(0.95, method="exact") if done else None
@@ -120,6 +123,7 @@ def summary(results: dict) -> dict:
 
 def markdown(results: dict, s: dict) -> str:
     P = results["prompts"]
+    budgets = results["settings"]["budgets"]
     ptoks = [c["prompt_tokens"] for c in P.values()]
     dist = [c["needle_distance"] for c in P.values()]
     lines = ["# Pass-key recall beyond the recent window (SmolLM2-135M-Instruct, teacher-forced)", "",
@@ -133,18 +137,18 @@ def markdown(results: dict, s: dict) -> str:
     rows = []
     for arm in ARMS:
         row = [arm]
-        for b in BUDGETS:
+        for b in budgets:
             c = s["cells"][f"{arm}@{b}"]
             row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; NLL {c['median_key_nll']:.2f}")
         rows.append(row)
-    head = [f"budget {b} (x{np.mean(ptoks) / b:.1f})" for b in BUDGETS]
+    head = [f"budget {b} (x{np.mean(ptoks) / b:.1f})" for b in budgets]
     lines += common.md_table(["arm"] + head, rows)
     lines += ["", "Per prompt (offset@depth: key distance; R recalled, - missed; order: "
-              + ", ".join(f"{arm}@{b}" for b in BUDGETS for arm in ARMS) + "):", ""]
+              + ", ".join(f"{arm}@{b}" for b in budgets for arm in ARMS) + "):", ""]
     rows = []
     for n, c in P.items():
         marks = " ".join(("R" if c[f"{arm}@{b}"]["recalled"] else "-") if f"{arm}@{b}" in c else "."
-                         for b in BUDGETS for arm in ARMS)
+                         for b in budgets for arm in ARMS)
         rows.append([n, c["needle_distance"], "R" if c["full"]["recalled"] else "-", marks])
     lines += common.md_table(["prompt", "key distance", "full", "arms"], rows)
     return "\n".join(lines) + "\n"
@@ -155,13 +159,16 @@ def main() -> int:
     p.add_argument("--offsets", type=common.int_list, default=list(OFFSETS))
     p.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=list(DEPTHS))
     p.add_argument("--budgets", type=common.int_list, default=list(BUDGETS))
+    p.add_argument("--context", type=int, default=CONTEXT, help="context tokens around the key")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--report", action="store_true")
     a = p.parse_args()
     out = common.Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("meta", common.run_meta(python=sys.version.split()[0]))
-    results.setdefault("settings", {"context": CONTEXT, "prefix": PREFIX, "n_sink": 4})
+    settings = {"context": a.context, "budgets": a.budgets, "prefix": PREFIX, "n_sink": 4}
+    if results.setdefault("settings", settings) != settings and not a.report:
+        raise SystemExit(f"{out} holds results of other settings ({results['settings']}); use another --out")
     results.setdefault("prompts", {})
     if not a.report:
         command = " ".join(["python bench/bench_recall_beyond_window.py", *sys.argv[1:]])
