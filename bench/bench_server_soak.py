@@ -4,7 +4,7 @@ reuse after eviction, a soak with client disconnects, and the rewind journal's d
 Both servers run SmolLM2-135M-Instruct (float32) on 127.0.0.1 as subprocesses (OpenBLAS
 preloaded for both). Ours: ``--budget 64 --filters bench/results/smollm2_filters.safetensors``
 (the calibrated query filter, eviction from the first call) with its defaults otherwise
-(``--max-rewind 64``, a prompt checkpoint every 64 tokens); the anchor: ``mlx_lm.server``
+(``--max-rewind 64``); the anchor: ``mlx_lm.server``
 defaults. Phases, each on fresh servers:
 
 1. **corpus**: every case of ``tests/helpers/server_corpus.py``, then the good request; per case the
@@ -19,14 +19,12 @@ defaults. Phases, each on fresh servers:
    question), (d) one sharing only the passage's first half (diverging ~200 tokens before the
    stored end, deeper than the rewind depth); tokens reused = ``usage.prompt_tokens_details.cached_tokens``. Ours runs on two
    fresh servers: answers and reuse must be identical. Then RSS of both, and ours' stored bytes
-   (``/health``: conversations and checkpoints).
+   (``/health``: conversations and checkpoints). The memory per conversation at 2k and 8k tokens:
+   ``bench/bench_server_memory.py``.
 4. **soak**: ``--soak`` mixed requests (chat, text, streaming), every fifth a stream the client
    drops after the first chunk; errors and RSS before/after.
 5. **decode**: decode tokens/s with the server's caches at ``qfilters_max_rewind`` 0, 16 and 64
    (the server's default), in process, alternating (the rewind journal's cost).
-6. **prefill**: prefill time of a 512-token prompt with the server's caches in one call
-   (mlx-lm's chunk) against 64-token calls with a copy of the cache at each end (what the
-   server's checkpoints do), in process, alternating.
 
 Writes ``bench/results/server_soak.json`` and ``.md``. Run:
 ``PYTHONPATH=python python bench/bench_server_soak.py`` (``--help`` for the sizes).
@@ -248,36 +246,6 @@ def decode(tokens, reps, prompt_len=512) -> dict:
     return out
 
 
-def prefill(reps, prompt_len=512, every=64) -> dict:
-    """Prefill seconds of a ``prompt_len``-token prompt with the server's caches (depth 64):
-    one call, against ``every``-token calls with a ``copy.deepcopy`` of the caches at each end
-    (the server's checkpoints); alternating, ratios within a rep; and the bytes the copies hold."""
-    import copy
-    import time
-
-    import mlx.core as mx
-
-    from qfilters_mlx.cache.builder import KVCacheBuilder
-
-    model, tok = common.load_model()
-    prompt = list(common.prompts(tok, [prompt_len]).values())[0]
-    out = {"one_call_s": [], "checkpoints_s": []}
-    for _ in range(reps):
-        for key, step in (("one_call_s", prompt_len), ("checkpoints_s", every)):
-            caches = KVCacheBuilder.for_model(model, _server_config(64))
-            copies = []
-            t = time.perf_counter()
-            for s in range(0, prompt_len, step):
-                mx.eval(model(prompt[None, s:s + step], cache=caches))
-                if step < prompt_len:
-                    copies.append(copy.deepcopy(caches))
-            out[key].append(time.perf_counter() - t)
-        out["checkpoint_bytes"] = [sum(c.nbytes for c in cp) for cp in copies]
-    out["ratio"] = [a / b for a, b in zip(out["checkpoints_s"], out["one_call_s"])]
-    out["prompt_tokens"], out["every"] = prompt_len, every
-    return out
-
-
 def _spread(xs) -> str:
     q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
     return (f"median {statistics.median(xs):.2f} (quartiles {q[0]:.2f}-{q[2]:.2f}, range "
@@ -290,8 +258,9 @@ def markdown(res) -> str:
          f"(SmolLM2-135M float32, budget {BUDGET})", "",
          f"Machine: {res['meta']['machine']}, load average at start {res['meta']['loadavg_start'][0]:.1f}. "
          f"Ours: `--budget {BUDGET} --filters bench/results/smollm2_filters.safetensors` (defaults "
-         "otherwise: `--max-rewind 64`, a checkpoint every 64 prompt tokens, at most 64 checkpoints); "
-         "the anchor: `mlx_lm.server` defaults.", ""]
+         f"otherwise, as of the code measured: git {res['meta']['code']['git_head']}); "
+         "the anchor: `mlx_lm.server` defaults. Memory per conversation and reuse against "
+         "`mlx_lm.server` at 2k and 8k tokens: `server_memory.md`.", ""]
     if "corpus" in res:
         L += ["## Bad-input corpus (`tests/helpers/server_corpus.py`)", ""]
         L += common.md_table(["server", "cases", "status as expected (ours)", "next good request correct",
@@ -352,15 +321,6 @@ def markdown(res) -> str:
                 for k in d["depths"]]
         L += common.md_table(["--max-rewind", "decode tok/s", "ratio to 0 (paired)", "cache MB after"],
                              rows, "rlll")
-    if "prefill" in res:
-        p = res["prefill"]
-        cb = p["checkpoint_bytes"]
-        L += ["", "## Checkpoint cost (ours, prefill in process, alternating)", "",
-              f"{p['prompt_tokens']}-token prompt: one call {', '.join(f'{t:.1f}' for t in p['one_call_s'])} s; "
-              f"{p['every']}-token calls with a copy at each end "
-              f"{', '.join(f'{t:.1f}' for t in p['checkpoints_s'])} s; ratio {_spread(p['ratio'])}. "
-              f"Each copy holds {min(cb) / 1e6:.2f}-{max(cb) / 1e6:.2f} MB ({len(cb)} copies, "
-              f"{sum(cb) / 1e6:.1f} MB in all)."]
     L += ["", "Runs: " + "; ".join(f"{phase}: `{r['command']}` (load {r['loadavg_start'][0]:.1f})"
                                    for phase, r in res.get("runs", {}).items()) + ".", ""]
     return "\n".join(L)
@@ -368,12 +328,11 @@ def markdown(res) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phases", default="corpus,memory,reuse,soak,decode,prefill")
+    ap.add_argument("--phases", default="corpus,memory,reuse,soak,decode")
     ap.add_argument("--conversations", type=int, default=100)
     ap.add_argument("--soak", type=int, default=40)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-reps", type=int, default=10)
-    ap.add_argument("--prefill-reps", type=int, default=6)
     ap.add_argument("--out", default=str(common.RESULTS / "server_soak.json"))
     args = ap.parse_args()
     from qfilters_mlx.assets.prepare_model import prepare_model
@@ -411,9 +370,6 @@ def main() -> None:
         save()
     if "decode" in phases:
         res["decode"] = decode(args.decode_tokens, args.decode_reps)
-        save()
-    if "prefill" in phases:
-        res["prefill"] = prefill(args.prefill_reps)
         save()
     print(markdown(res))
 

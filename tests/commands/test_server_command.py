@@ -164,3 +164,64 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
         time.sleep(0.05)
     assert not gen.generation_available() and gen.loop_restarts == server_http.RESTARTS_ALLOWED
     gen.stop_and_join()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("when", ["before-any-token", "after-a-token"])
+def test_a_request_that_fails_after_it_was_admitted_gets_an_error_never_an_empty_200(stream, when):
+    """The generation side takes the request (a context comes back), then fails: a
+    non-streaming reply answers the error's status (500 for the loop's failure) with a JSON
+    error; a streaming one, whose 200 is already sent, ends with an SSE ``error`` event."""
+    import http.client
+    import json
+    import threading
+    from http.server import ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    import mlx_lm.server as mlx_server
+
+    from qfilters_mlx.commands.server_http import GenerationFailed, handler_class
+    from qfilters_mlx.commands.server_requests import Served
+
+    class Generator:
+        cli_args = SimpleNamespace(allowed_origins=[], num_draft_tokens=3, max_tokens=8, temp=0.0,
+                                   top_p=1.0, top_k=0, min_p=0.0, model=None)
+        model_provider = SimpleNamespace(served=Served(vocab_size=100))
+
+        def generate(self, request, args, progress_callback=None):
+            from mlx_lm.generate import TextStateMachine
+
+            ctx = SimpleNamespace(tool_parser=None, text_sm=TextStateMachine({"normal": []}),
+                                  initial_state="normal",
+                                  prompt=[1, 2], prompt_cache_count=0, stop=lambda: None)
+
+            def tokens():
+                if when == "after-a-token":
+                    yield mlx_server.Response("Hi", 5, -0.1, None, ())
+                raise GenerationFailed("generation failed: RuntimeError")
+
+            return ctx, tokens()
+
+    handler = handler_class(mlx_server)
+    gen = Generator()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(gen, *a))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=30)
+        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": stream})
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read().decode()
+        if not stream:
+            assert r.status == 500 and json.loads(data)["error"]
+        else:
+            assert r.status == 200
+            events = [e for e in data.split("\n\n") if e.strip()]
+            assert events[-1].startswith("event: error\ndata: ")
+            err = json.loads(events[-1].split("data: ", 1)[1])["error"]
+            assert err["code"] == 500 and "generation failed" in err["message"]
+            assert "[DONE]" not in data
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

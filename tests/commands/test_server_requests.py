@@ -112,9 +112,47 @@ def test_the_corpus_agrees_with_the_checks():
     """Every corpus case sent as a well-formed chat or text body is refused by these checks
     with the status and field the integration tier expects (the rest are transport cases)."""
     for case in cases():
-        if case.raw is None or case.status != 400 or case.param == "body":
-            continue  # (raw cases: test_raw_bodies)
+        if case.raw is None or case.status != 400 or case.param in ("body", None):
+            continue  # (raw cases: test_raw_bodies; param None: refused after tokenization)
         endpoint = "chat" if case.path == CHAT else "text"
         with pytest.raises(RequestError) as info:
             check_body(parse_body(case.raw), endpoint, Served(vocab_size=49152))
         assert (info.value.status, info.value.field) == (400, case.param), case.name
+
+
+@pytest.mark.parametrize("digits", [65, 4301, 100_000])
+def test_integers_with_many_digits_are_a_400_naming_the_body(digits):
+    """Python's parser raises its own ValueError over 4,300 digits (not a JSONDecodeError);
+    each such literal is refused before it is converted."""
+    with pytest.raises(RequestError, match="digits") as info:
+        parse_body(b'{"max_tokens": ' + b"7" * digits + b"}")
+    assert info.value.status == 400 and info.value.field == "body"
+    assert parse_body(b'{"seed": ' + b"7" * 64 + b"}")["seed"] == int("7" * 64)
+
+
+def test_a_client_chat_template_needs_the_operator_flag_and_goes_where_mlx_lm_reads_it():
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    for body, field in (({**GOOD, "chat_template": template}, "chat_template"),
+                        ({**GOOD, "chat_template_kwargs": {"chat_template": template}},
+                         "chat_template_kwargs")):
+        assert _refused(body).field == field
+        out = check_body(dict(body), "chat", Served(vocab_size=100, allow_chat_template=True))
+        assert out["chat_template_kwargs"] == {"chat_template": template} and "chat_template" not in out
+    for key in ("tokenize", "return_dict", "tools", "add_generation_prompt"):
+        assert _refused({**GOOD, "chat_template_kwargs": {key: False}}).field == "chat_template_kwargs"
+    ok = check_body({**GOOD, "chat_template_kwargs": {"enable_thinking": False}}, "chat",
+                    Served(vocab_size=100))
+    assert ok["chat_template_kwargs"] == {"enable_thinking": False}
+    with pytest.raises(RequestError):
+        check_body({**GOOD, "chat_template": ""}, "chat", Served(vocab_size=100, allow_chat_template=True))
+
+
+def test_stop_strings_and_messages_have_limits():
+    from qfilters_mlx.commands.server_messages import MAX_MESSAGES
+    from qfilters_mlx.commands.server_requests import MAX_STOP_CHARS
+
+    check_body({**GOOD, "stop": ["s" * MAX_STOP_CHARS]}, "chat", Served(vocab_size=100))
+    assert _refused({**GOOD, "stop": ["ok", "s" * (MAX_STOP_CHARS + 1)]}).field == "stop"
+    msgs = [{"role": "user", "content": "x"}]
+    check_body({**GOOD, "messages": msgs * MAX_MESSAGES}, "chat", Served(vocab_size=100))
+    assert _refused({**GOOD, "messages": msgs * (MAX_MESSAGES + 1)}).field == "messages"

@@ -142,6 +142,23 @@ def cases() -> list[Case]:
         Case("header.content-length-not-a-number", CHAT, None, 400, "Content-Length",
              headers={"Content-Length": "abc"}),
         Case("path.unknown", "/v1/embeddings", b"{}", 404),
+        Case("body.integer-5000-digits", CHAT, base[:-1].encode() + b', "seed": ' + b"9" * 5000 + b"}",
+             400, "body"),
+        Case("body.integer-100-digits", TEXT, b'{"prompt": "x", "max_tokens": ' + b"1" * 100 + b"}",
+             400, "body"),
+        _chat("chat.chat_template=client", 400, "chat_template",
+              chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"),
+        _chat("chat.chat_template_kwargs.chat_template", 400, "chat_template_kwargs",
+              chat_template_kwargs={"chat_template": "{{ messages }}"}),
+        _chat("chat.chat_template_kwargs.tokenize", 400, "chat_template_kwargs",
+              chat_template_kwargs={"tokenize": False}),
+        _chat("chat.stop.too-long", 400, "stop", stop="s" * 300),
+        Case("chat.messages.too-many", CHAT, json.dumps(
+            {"messages": [{"role": "user", "content": "x"}] * 5000, "max_tokens": 4}).encode(),
+            400, "messages"),
+        # (refused after tokenization, by the generation side: over the model's 8,192 tokens)
+        Case("text.prompt.over-the-context", TEXT, json.dumps(
+            {"prompt": "seven " * 9000, "max_tokens": 4}).encode(), 400, None),
     ]
     return out
 

@@ -1,0 +1,94 @@
+"""``qfilters-mlx server`` (SmolLM2, a subprocess on 127.0.0.1): what stored conversations hold,
+and answers equal to the library's.
+
+* per conversation: ``/health``'s stored bytes stay within the budget plus the rewind journal
+  (``budget + 1 + max_rewind`` rows per layer; the answers here are shorter than the rewind
+  depth, so one entry per conversation besides the shared system prompt), and the process's
+  MLX active memory grows by what ``/health`` counts, not more (no view of a larger buffer
+  kept alive);
+* the greedy answer to a prompt longer than the budget and than the prefill step equals
+  ``qfilters-mlx generate``'s with the same configuration and prefill step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers.server_corpus import CHAT, ServerProcess, answer, get_json, post_json
+
+pytestmark = pytest.mark.integration
+
+BUDGET, REWIND = 64, 64
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
+BOUND = LAYERS * ((BUDGET + 1 + REWIND) * KV_HEADS * (2 * HEAD_DIM * 4 + 12) + KV_HEADS * HEAD_DIM * 4)
+"""Bytes one stored cache of SmolLM2 holds at most at rest (rows: K, V float32, score, position)."""
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
+def _server(model_path, log, *extra):
+    argv = [sys.executable, "-m", "qfilters_mlx.commands.cli", "server", "--model", str(model_path),
+            "--budget", str(BUDGET), *extra]
+    return ServerProcess(argv, log, env=_env(), start_timeout=600)
+
+
+def _spans(n, chars=2400):
+    from qfilters_mlx.assets.prompts import source_text
+
+    text = source_text()
+    return [text[i * chars:(i + 1) * chars] for i in range(n)]
+
+
+def test_stored_conversations_are_bounded_by_health_and_by_active_memory(model_path, tmp_path):
+    server = _server(model_path, tmp_path / "server.log")
+    try:
+        system = {"role": "system", "content": "Answer in one sentence."}
+        seen = []
+        for text in _spans(4):
+            body = {"messages": [system, {"role": "user", "content": text + " Summarize."}],
+                    "max_tokens": 8, "temperature": 0.0}
+            status, reply = post_json(server.port, CHAT, body, timeout=600)
+            assert status == 200, reply
+            assert reply["usage"]["prompt_tokens"] > 4 * BUDGET
+            _, health = get_json(server.port, "/health")
+            seen.append(health["stored"])
+    finally:
+        server.stop()
+    last = seen[-1]
+    assert last["conversations"] == 4 and last["checkpoints"] == 1  # (the shared system prompt)
+    assert last["bytes"] <= 4 * BOUND + BOUND, last
+    assert last["bytes_per_conversation"] <= BOUND * 1.25, last  # (the system prompt's share)
+    grew = [b["process"]["active_bytes"] - a["process"]["active_bytes"] for a, b in zip(seen, seen[1:])]
+    counted = [b["bytes"] - a["bytes"] for a, b in zip(seen, seen[1:])]
+    for g, c in zip(grew, counted):
+        assert c > 0 and abs(g - c) <= 0.1 * c, (grew, counted)
+
+
+def test_the_greedy_answer_to_a_long_prompt_equals_qfilters_mlx_generate(model_path, tmp_path):
+    """The shipped long prompt (~2,300 tokens: longer than the budget and the 2,048-token
+    prefill step) at budget 64: the server (batched, mlx-lm's BatchGenerator) and
+    ``qfilters-mlx generate`` (mlx-lm's stream_generate) give the same greedy text."""
+    from qfilters_mlx.assets.prompts import long_prompt
+
+    n = 24
+    run = subprocess.run([sys.executable, "-m", "qfilters_mlx.commands.cli", "generate", "--model",
+                          str(model_path), "--budget", str(BUDGET), "--max-tokens", str(n),
+                          "--verbose", "False"], env=_env(), capture_output=True, text=True,
+                         timeout=900, check=True)
+    library = run.stdout.strip()
+    server = _server(model_path, tmp_path / "server.log")
+    try:
+        body = {"messages": [{"role": "user", "content": long_prompt()}], "max_tokens": n,
+                "temperature": 0.0}
+        status, reply = post_json(server.port, CHAT, body, timeout=900)
+    finally:
+        server.stop()
+    assert status == 200, reply
+    assert reply["usage"]["prompt_tokens"] > 2048 + BUDGET
+    assert library and answer(reply).strip() == library
