@@ -52,7 +52,17 @@ def test_gold_answer_spans_cover_each_expected_string():
     tok = ByteTokenizer()
     ids, spans = gold_answer(tok, ["123", "ab-c"])
     assert tok.decode(ids) == " 123, ab-c."
-    assert [tok.decode(ids[a:b]) for a, b in spans] == [" 123", " ab-c"]
+    assert [tok.decode(ids[a:b]) for a, b in spans] == ["123", "ab-c"]  # (a lone leading space not judged)
+
+    class Merged(ByteTokenizer):  # a tokenizer that keeps the space in the string's first token
+        def encode(self, text, add_special_tokens=False):
+            return [1000] if text == " apple" else super().encode(text)
+
+        def decode(self, ids):
+            return "".join(" apple" if i == 1000 else super(Merged, self).decode([i]) for i in ids)
+
+    ids, spans = gold_answer(Merged(), ["apple", "7"])
+    assert ids[:1] == [1000] and spans == [(0, 1), (3, 4)]
     with pytest.raises(ValueError, match="at least one"):
         gold_answer(tok, [])
 
@@ -61,7 +71,7 @@ def test_summarize_is_the_rule_written_out():
     logp = mx.array([[-0.5, -1.0, -0.25, -2.0], [-0.1, -0.1, -0.1, -0.1]])
     hit = mx.array([[True, True, False, True], [True, True, True, True]])
     out = summarize(logp, hit, [(0, 2), (2, 3)])
-    assert out[0] == {"loglik": -3.75, "tokens": 4, "match": 0.5}
+    assert out[0] == {"loglik": -3.75, "tokens": 4, "match": 0.5, "hits": "1101"}
     assert out[1]["match"] == 1.0 and out[1]["loglik"] == pytest.approx(-0.4)
 
 

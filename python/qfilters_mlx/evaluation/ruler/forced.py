@@ -75,7 +75,11 @@ def gold_answer(tokenizer, outputs) -> tuple[list[int], list[tuple[int, int]]]:
 
     Each piece (``" o_i"``, ``","``, ``"."``) is encoded on its own (``add_special_tokens=False``),
     so the spans are exact whatever the tokenizer; for a byte-level BPE that pre-splits at spaces
-    and punctuation (SmolLM2's) this is also the tokenization of the joined string.
+    and punctuation (SmolLM2's) this is also the tokenization of the joined string. A span leaves
+    out a leading token that decodes to whitespace only (SmolLM2 splits the space from a number or
+    a UUID), so that the match judges the string, not whether the model starts its answer with a
+    space (it may write ``":\n\n- "`` first); where the space is part of the string's first token
+    (``" apple"``) that token is judged.
 
     Raises:
         ValueError: no expected strings, or one that encodes to no tokens.
@@ -92,7 +96,8 @@ def gold_answer(tokenizer, outputs) -> tuple[list[int], list[tuple[int, int]]]:
         piece = enc(" " + o)
         if not piece:
             raise ValueError(f"expected string {o!r} encodes to no tokens")
-        spans.append((len(ids), len(ids) + len(piece)))
+        lead = int(len(piece) > 1 and not tokenizer.decode(piece[:1]).strip())
+        spans.append((len(ids) + lead, len(ids) + len(piece)))
         ids += piece
     return ids + enc("."), spans
 
@@ -125,10 +130,13 @@ def forced_scores(head: Callable, hidden: mx.array, answer: list[int]) -> tuple[
 
 
 def summarize(logp: mx.array, hit: mx.array, spans: list[tuple[int, int]]) -> list[dict]:
-    """Per row ``{"loglik", "tokens", "match"}`` (module doc) from :func:`forced_scores`."""
+    """Per row ``{"loglik", "tokens", "match", "hits"}`` (module doc) from :func:`forced_scores`;
+    ``hits`` is a string with one ``"1"`` / ``"0"`` per gold token (the argmax hit), so that a match
+    over other spans can be recomputed from a record."""
     lp, h = logp.tolist(), hit.tolist()
     out = []
     for row_lp, row_h in zip(lp, h):
         found = sum(all(row_h[a:b]) for a, b in spans)
-        out.append({"loglik": float(sum(row_lp)), "tokens": len(row_lp), "match": found / len(spans)})
+        out.append({"loglik": float(sum(row_lp)), "tokens": len(row_lp), "match": found / len(spans),
+                    "hits": "".join("1" if x else "0" for x in row_h)})
     return out

@@ -40,7 +40,7 @@ from qfilters_mlx.evaluation.ruler.tasks import TASKS, Sources
 
 __all__ = ["SCORING", "RulerSettings", "answer_key", "run_ruler", "run_sample", "sample_key"]
 
-SCORING = "forced+greedy-1"
+SCORING = "forced+greedy-2"
 """The records' scoring (in the fingerprint: records of the greedy-only runner are refused)."""
 
 
@@ -167,7 +167,8 @@ def run_sample(model, tokenizer, record: dict, context: list[int], question: lis
                max_new_tokens: int, s: RulerSettings, calibrated=None, split=None) -> dict:
     """Fill ``record`` with the answers of ``s`` it lacks (:func:`_todo`); returns ``record``.
 
-    ``record["forced"][key]``: ``{"loglik", "tokens", "match"}`` (:mod:`.forced`);
+    ``record["forced"][key]``: ``{"loglik", "tokens", "match", "hits"}`` (:mod:`.forced`);
+    ``record["gold"]``: the gold answer's token ids and the expected strings' spans in them;
     ``record["answers"]`` / ``["scores"]``: greedy answers and their ``string_match_all`` share
     (decoding of a row stops at end-of-sequence, ``max_new_tokens`` or once every expected string
     is in its answer);
@@ -193,6 +194,7 @@ def run_sample(model, tokenizer, record: dict, context: list[int], question: lis
     record["validation"] = validation
     eos, hd = _eos(tokenizer), model_head_dim(model)
     answer, spans = gold_answer(tokenizer, outputs)
+    record["gold"] = {"ids": answer, "spans": [list(x) for x in spans]}
     T = len(context)
 
     def put(key, ids):
