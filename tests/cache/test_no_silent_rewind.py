@@ -388,3 +388,38 @@ def test_a_full_cache_is_trimmable_at_every_depth_and_keeps_no_journal(max_rewin
     assert c.journal_nbytes == 0 and not c._journal.active and c.is_trimmable()
     assert c.trim(5) == 5 and c.offset == 29
     np.testing.assert_array_equal(np.array(c.state[0]), np.array(k[:, :, :29]))
+
+
+@pytest.mark.parametrize("join", ["add", "iadd"])
+def test_default_caches_on_the_draft_model_too_end_at_the_emitted_tokens(join):
+    """``for_model(main) + for_model(draft)`` (or ``+=``) as speculative decoding's prompt cache,
+    prompt longer than the budget: mlx-lm asks only the main caches before the prompt and trims
+    the draft's without asking. The draft's caches journal too (asked when joined): at the end
+    each draft cache is as far behind the main caches as mlx-lm's own full draft cache is in
+    its run (the draft model has seen exactly the emitted tokens; before: 100 against 79, the
+    rejected drafts kept), and holds no position at or past its offset."""
+    config = KVCacheConfig(**BASE)
+    prompt = prompt_tokens(3, 60)
+
+    def run(draft_caches):
+        main = KVCacheBuilder.for_model(MAIN, config)
+        if join == "add":
+            caches = main + draft_caches
+        else:
+            caches = main
+            caches += draft_caches
+        out = [(int(t), bool(d)) for t, _, d in speculative_generate_step(
+            prompt, MAIN, DRAFT, num_draft_tokens=3, max_tokens=20, prompt_cache=caches)]
+        return out, caches[: len(MAIN.layers)], caches[len(MAIN.layers):]
+
+    ref_out, ref_main, ref_draft = run(make_prompt_cache(DRAFT))
+    out, main, draft = run(KVCacheBuilder.for_model(DRAFT, config))
+    assert any(not d for _, d in out[:-1])  # (a draft was rejected: rewinds happened)
+    assert all(isinstance(c, QFiltersKVCache) and c.evicted for c in draft)
+    lag = ref_main[0].offset - ref_draft[0].offset
+    assert all(main[0].offset - c.offset == lag for c in draft), (
+        main[0].offset, [c.offset for c in draft], lag)
+    assert main[0].offset == len(prompt) + len(out) - 1 + (ref_main[0].offset - len(prompt) - len(ref_out) + 1)
+    for c in draft:
+        pos = np.array(c.kept_positions())
+        assert pos.max() < c.offset and len(np.unique(pos[0, 0])) == pos.shape[-1]

@@ -69,12 +69,41 @@ class BuildReport:
 
 class BudgetedCaches(list):
     """The list :meth:`KVCacheBuilder.for_model` returns: a plain ``list`` of per-layer
-    caches (what mlx-lm takes as ``prompt_cache``) with a :attr:`report`."""
+    caches (what mlx-lm takes as ``prompt_cache``) with a :attr:`report`.
+
+    Concatenated with another model's caches (``+`` or ``+=``: how mlx-lm's speculative
+    decoding takes the main model's caches followed by the draft model's, as a plain
+    ``list``), every eviction cache of both is asked :meth:`~QFiltersKVCache.is_trimmable`
+    first: mlx-lm asks only the main model's caches before the prompt and trims the draft's
+    without asking, so a draft cache with ``max_rewind="auto"`` would otherwise have no journal
+    when its rejected drafts are rewound (``trim_prompt_cache`` skips it silently, leaving
+    rejected tokens at wrong positions). Asked now, before their first eviction, they journal
+    and rewind exactly; a cache that already evicted without a journal stays untrimmable (mlx-lm
+    then refuses a main cache like it before the prompt).
+    """
 
     report: BuildReport
 
+    def __add__(self, other):
+        joined = list(self) + list(other)
+        _ask_rewinds(joined)
+        return joined
+
+    def __iadd__(self, other):
+        super().__iadd__(other)
+        _ask_rewinds(self)
+        return self
+
     def __repr__(self) -> str:
         return f"BudgetedCaches({len(self)} caches; {self.report.summary()})"
+
+
+def _ask_rewinds(caches) -> None:
+    """Ask every eviction cache of ``caches`` whether it can rewind (turns an ``"auto"``
+    journal on before the first eviction; see :class:`BudgetedCaches`)."""
+    for _, c in walk(caches):
+        if isinstance(c, QFiltersKVCache):
+            c.is_trimmable()
 
 
 def describe(caches) -> str:
