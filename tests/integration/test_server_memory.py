@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,6 +46,21 @@ def _spans(n, chars=2400):
     return [text[i * chars:(i + 1) * chars] for i in range(n)]
 
 
+def _settled(port, conversations, timeout=60.0):
+    """``/health``'s ``stored`` once ``conversations`` answers are stored (the generation loop
+    stores a finished request's cache right after its reply) and the checkpoint of the answer's
+    prompt is dropped."""
+    deadline = time.time() + timeout
+    while True:
+        _, health = get_json(port, "/health")
+        stored = health["stored"]
+        if stored["conversations"] == conversations and stored["checkpoints"] == 1:
+            return stored
+        if time.time() > deadline:
+            raise AssertionError(f"/health never showed {conversations} conversations: {stored}")
+        time.sleep(0.2)
+
+
 def test_stored_conversations_are_bounded_by_health_and_by_active_memory(model_path, tmp_path):
     server = _server(model_path, tmp_path / "server.log")
     try:
@@ -56,8 +72,7 @@ def test_stored_conversations_are_bounded_by_health_and_by_active_memory(model_p
             status, reply = post_json(server.port, CHAT, body, timeout=600)
             assert status == 200, reply
             assert reply["usage"]["prompt_tokens"] > 4 * BUDGET
-            _, health = get_json(server.port, "/health")
-            seen.append(health["stored"])
+            seen.append(_settled(server.port, conversations=len(seen) + 1))
     finally:
         server.stop()
     last = seen[-1]
