@@ -192,6 +192,10 @@ def test_leaderboard_rows_have_kvpress_shape_per_metric_and_subset():
     assert ll["scores"] == {"a": (-1.0 - 2.0) / 2, "b": (-1.0 - 2.0) / 2}  # loglik / tokens, mean over samples
     p = next(p for p in board["paired"] if p["metric"] == "forced_match" and p["subset"] == "all")
     assert (p["a"], p["b"], p["difference"]) == ("knorm", "streaming_llm", 62.5 - (0.0 + 50.0) / 2)
+    assert p["n_samples"] == 4 and p["separated"] is None  # too few samples to judge
+    many = leaderboard([_rec(t, i, 1.0, 1.0, 0.0) for t in ("a", "b") for i in range(5)])
+    p = next(p for p in many["paired"] if p["metric"] == "forced_match" and p["subset"] == "all")
+    assert p["difference"] == 100.0 and p["ci95"] == [100.0, 100.0] and p["separated"] is True
     assert board["meta"]["compute_seconds"] == {"1024": {"total": 4.0, "prefill": 2.0}}
     assert board["meta"]["samples"] == {"1024": {"samples": 4, "full_correct": 3, "validation": 2}}
     # greedy and forced on the same rows: full x4 (equal x4), knorm on a/0 (equal) and b/0 (0.5 vs 0)

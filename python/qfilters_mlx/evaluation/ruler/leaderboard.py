@@ -19,7 +19,9 @@ drawn with replacement (its own count), the task means averaged; ``n_boot`` resa
 seeded. While some task has a single sample (which has no spread of its own) the samples
 of all tasks are resampled as one pool instead (the mean of the pooled samples). Paired
 differences (``paired``: every pair of methods at a (length, protocol, ratio, metric, subset))
-resample the same samples for both; ``separated`` says whether the interval excludes 0.
+resample the same samples for both; ``separated`` says whether the interval excludes 0, and is
+``None`` below :data:`MIN_PAIRED` samples (a bootstrap of a handful of samples is too narrow to
+trust).
 ``agreement`` compares ``forced_match`` with ``string_match`` on the rows that have both.
 """
 
@@ -32,9 +34,10 @@ import numpy as np
 
 from qfilters_mlx.evaluation.ruler.tasks import TASKS
 
-__all__ = ["METRICS", "N_BOOT", "agreement", "bootstrap_average", "leaderboard"]
+__all__ = ["METRICS", "MIN_PAIRED", "N_BOOT", "agreement", "bootstrap_average", "leaderboard"]
 
 N_BOOT = 2000
+MIN_PAIRED = 10
 METRICS = ("forced_match", "loglik", "string_match")
 SUBSETS = ("all", "full_correct")
 
@@ -169,10 +172,10 @@ def leaderboard(records: list[dict], meta: dict | None = None) -> dict:
             if not per_task:
                 continue
             d, low, high = bootstrap_average(per_task)
+            n = int(sum(x.shape[1] for x in per_task))
             paired.append({"data_dir": str(length), "metric": metric, "subset": subset, "protocol": protocol,
                            "compression_ratio": ratio, "a": a, "b": b, "difference": d, "ci95": [low, high],
-                           "n_samples": int(sum(x.shape[1] for x in per_task)),
-                           "separated": bool(low > 0 or high < 0)})
+                           "n_samples": n, "separated": bool(low > 0 or high < 0) if n >= MIN_PAIRED else None})
     meta["compute_seconds"] = {k: dict(v) for k, v in sorted(seconds.items(), key=lambda kv: int(kv[0]))}
     meta["samples"] = dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
     meta["bootstrap"] = (f"percentile bootstrap over samples, {N_BOOT} resamples, seed 0: stratified by "

@@ -41,6 +41,10 @@ def _ratio_table(sub: list[dict], fmt: str) -> list[str]:
     return lines
 
 
+def _separated(s) -> str:
+    return "too few samples" if s is None else "yes" if s else "no"
+
+
 def _samples_text(rows: list[dict]) -> str:
     n = {}
     for r in rows:
@@ -96,7 +100,8 @@ def markdown(board: dict, conclusion: str = "") -> str:
         pairs = [p for p in board.get("paired", []) if p["data_dir"] == length and p["metric"] != "string_match"]
         if pairs:
             lines += ["### Paired differences per method pair", "",
-                      "Same samples for both methods; 95% interval; *separated*: the interval excludes 0.", "",
+                      "Same samples for both methods; 95% interval; *separated*: the interval excludes 0 "
+                      "(not judged below 10 samples).", "",
                       "| metric | subset | protocol | ratio | a - b | difference | samples | separated |",
                       "|---|---|---|---|---|---|---|---|"]
             for p in pairs:
@@ -104,7 +109,7 @@ def markdown(board: dict, conclusion: str = "") -> str:
                 fmt = ".3f" if p["metric"] == "loglik" else ".1f"
                 lines.append(f"| {p['metric']} | {p['subset']} | {p['protocol']} | {p['compression_ratio']:g} | "
                              f"{p['a']} - {p['b']} | {p['difference']:+{fmt}} [{lo:+{fmt}}, {hi:+{fmt}}] | "
-                             f"{p['n_samples']} | {'yes' if p['separated'] else 'no'} |")
+                             f"{p['n_samples']} | {_separated(p['separated'])} |")
             lines.append("")
         part = [r for r in sub if r["metric"] == "forced_match" and r["subset"] == "all"]
         if part:
