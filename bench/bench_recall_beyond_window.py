@@ -27,6 +27,7 @@ the recent window: :func:`qfilters_mlx.evaluation.simulate.oracle_arms`).
 Usage (resumable; ``--report`` rewrites the tables only)::
 
     python bench/bench_recall_beyond_window.py [--offsets 200000,215000] [--depths 0.1,0.3]
+    python bench/bench_recall_beyond_window.py --kept   # is the needle in the cache at the answer?
     python bench/bench_recall_beyond_window.py --context 950 --budgets 256,128 \
         --out bench/results/recall_beyond_window_1k.json   # prompts of about 1,070 tokens
 
@@ -42,6 +43,7 @@ import sys
 import time
 
 import common  # noqa: F401  (fast BLAS before MLX)
+import mlx.core as mx
 import numpy as np
 from mlx_lm import load
 from scipy.stats import binomtest
@@ -102,6 +104,49 @@ def run(a, results: dict, save) -> None:
                       f"{time.perf_counter() - tic:.0f} s)", flush=True)
 
 
+def needle_kept(model, tokenizer, a, results: dict, save) -> None:
+    """Per counted prompt, arm and budget: the share of (layer, KV head, key token) where the
+    needle's key tokens are in what the cache holds when the answer's first key token is
+    predicted (:func:`~qfilters_mlx.evaluation.simulate.keep_masks` on the arm's scores of the
+    full-cache keys: exact for StreamingLLM and the oracle, whose scores do not depend on
+    eviction; for the default the keys of an evicting pass differ slightly from these)."""
+    from qfilters_mlx.evaluation.simulate import keep_masks
+    from qfilters_mlx.filters.window_capture import keys_and_queries
+    from qfilters_mlx.model_info import model_head_dim
+
+    hd = model_head_dim(model)
+    filters = None
+    text = source_text()
+    for name, cell in results["prompts"].items():
+        if not cell["full"]["recalled"] or "kept" in cell:
+            continue
+        off, depth = name.split("@")
+        hay = text[text.index("\n\n", int(off)) + 2:]
+        p = needle_prompt(tokenizer, hay, a.context, float(depth), cell["key"])
+        if filters is None:
+            filters, _ = default_filters(model, tokenizer)
+        (layers,) = keys_and_queries(model, [p.tokens[:-1]])
+        oracles = dict(zip(a.budgets, oracle_arms(model, p.tokens, [config("oracle", b, hd) for b in a.budgets])))
+        t = p.key_positions[0] - 1  # the query that predicts the answer's first key token
+        needle = range(p.needle_position, p.needle_position + len(p.key_positions))
+        kept, held = {}, {}
+        for b in a.budgets:
+            for arm in ARMS:
+                m = oracles[b] if arm == "oracle" else MaskedArm(config(arm, b, hd), filters=filters)
+                hits = []
+                for layer, (keys, _, _) in enumerate(layers):
+                    sc = np.array(m.scores(layer, mx.array(keys)[None]).astype(mx.float32))[0]
+                    mask = keep_masks(sc, b, 4, m.windows(layer, keys.shape[0]), PREFIX)
+                    hits.append(mask[:, t, list(needle)])
+                held[arm] = np.stack(hits)  # [layers, KV heads, key tokens]
+                kept[f"{arm}@{b}"] = float(held[arm].mean())
+            for arm in ARMS:  # of the (layer, head, token) the oracle holds, the share this arm holds too
+                kept[f"{arm}@{b} of oracle"] = float((held[arm] & held["oracle"]).sum() / max(1, held["oracle"].sum()))
+        cell["kept"] = kept
+        save()
+        print(f"{name} needle kept: " + ", ".join(f"{k} {v:.2f}" for k, v in kept.items()), flush=True)
+
+
 def summary(results: dict) -> dict:
     """Per (arm, budget): recalled / prompts the full cache recalls, its exact 95% interval,
     and the median key NLL (nats), over the prompts where every arm has run."""
@@ -116,7 +161,11 @@ def summary(results: dict) -> dict:
             ci = binomtest(k, len(done)).proportion_ci(0.95, method="exact") if done else None
             out["cells"][f"{arm}@{b}"] = {
                 "recalled": k, "of": len(done), "low": ci.low if ci else None, "high": ci.high if ci else None,
-                "median_key_nll": float(np.median([P[n][f"{arm}@{b}"]["key_nll"] for n in done])) if done else None}
+                "median_key_nll": float(np.median([P[n][f"{arm}@{b}"]["key_nll"] for n in done])) if done else None,
+                "needle_kept": (float(np.mean([P[n]["kept"][f"{arm}@{b}"] for n in done]))
+                                if done and all("kept" in P[n] for n in done) else None),
+                "needle_kept_of_oracle": (float(np.mean([P[n]["kept"][f"{arm}@{b} of oracle"] for n in done]))
+                                          if done and all("kept" in P[n] for n in done) else None)}
     out["median_full_key_nll"] = float(np.median([P[n]["full"]["key_nll"] for n in done])) if done else None
     return out
 
@@ -133,13 +182,18 @@ def markdown(results: dict, s: dict) -> str:
              f"shares below over the {s['counted']} of those where every arm ran. Default filters: "
              f"{re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}.", "",
              "Recalled / prompts the full cache recalls [exact 95% interval]; median NLL of the key's "
-             f"tokens in nats (full cache: {s['median_full_key_nll']:.2f}):", ""]
+             f"tokens in nats (full cache: {s['median_full_key_nll']:.2f}); key kept: the share of (layer, KV "
+             "head, key token) where the needle's key tokens are in the cache when the answer's first key "
+             "token is predicted, and in brackets the share of the (layer, KV head, key token) the oracle keeps "
+             "that the arm keeps too (means over prompts; `--kept`):", ""]
     rows = []
     for arm in ARMS:
         row = [arm]
         for b in budgets:
             c = s["cells"][f"{arm}@{b}"]
-            row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; NLL {c['median_key_nll']:.2f}")
+            kept = ("" if c["needle_kept"] is None else
+                    f"; key kept {c['needle_kept']:.0%} ({c['needle_kept_of_oracle']:.0%} of the oracle's)")
+            row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; NLL {c['median_key_nll']:.2f}{kept}")
         rows.append(row)
     head = [f"budget {b} (x{np.mean(ptoks) / b:.1f})" for b in budgets]
     lines += common.md_table(["arm"] + head, rows)
@@ -162,6 +216,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=CONTEXT, help="context tokens around the key")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--report", action="store_true")
+    p.add_argument("--kept", action="store_true", help="only measure whether the needle is in the cache")
     a = p.parse_args()
     out = common.Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {}
@@ -174,7 +229,11 @@ def main() -> int:
         command = " ".join(["python bench/bench_recall_beyond_window.py", *sys.argv[1:]])
         if command not in results.setdefault("commands", []):
             results["commands"].append(command)
-        run(a, results, lambda: out.write_text(json.dumps(results)))
+        if a.kept:
+            model, tokenizer = load(str(prepare_model()))
+            needle_kept(model, tokenizer, a, results, lambda: out.write_text(json.dumps(results)))
+        else:
+            run(a, results, lambda: out.write_text(json.dumps(results)))
     s = summary(results)
     results["summary"] = s
     out.write_text(json.dumps(results))
