@@ -98,6 +98,7 @@ def write_markdown(out: Path, res: dict) -> None:
              "after: the checkout measured, `meta.code` in the JSON). SmolLM2-135M-Instruct float32, chunk 512, "
              "2 CPU cores shared with other jobs (1-minute load average during each pair in the last column: "
              "2 means both cores busy).", "",
+             *([f"Run: {res['meta']['note']}", ""] if res["meta"].get("note") else []),
              "*before*: the five arms (qfilters, qfilters_online, knorm, streaming_llm, random) at 4 ratios + "
              "the full cache, every row decoded greedily. *after*: the default arms (qfilters, knorm, "
              "streaming_llm), teacher-forced scoring of every row, greedy decoding of the full cache only (a "
@@ -128,7 +129,7 @@ def main() -> None:
     calibrated, _ = load_filters(str(FILTERS), model)
     sources = Sources(tuple(essay_sentences(source_text())))
     res = json.loads(out.read_text()) if out.exists() else {"runs": []}
-    res["meta"] = common.run_meta(before=args.before)
+    res["meta"] = common.run_meta(before=args.before, argv=sys.argv[1:])
     old = before_package(args.before) if "before" in args.which else None
     new = importlib.import_module("qfilters_mlx.evaluation.ruler.runner")
 
