@@ -174,7 +174,8 @@ def run_sample(model, tokenizer, record: dict, context: list[int], question: lis
     is in its answer);
     ``record["full_correct"]``: the full cache's greedy share is 1; ``record["kept"]``: tokens a
     row holds after compression (streaming: its budget); ``record["seconds"]``: per stage
-    (``prefill``, ``forced``, ``greedy``, ``streaming``), wall clock, summed over resumes.
+    (``prefill``, ``select`` (the compress-once rows' kept keys/values), ``forced``, ``greedy``,
+    ``streaming``), wall clock, summed over resumes.
 
     Args:
         record: needs ``"index"`` (the sample index: below ``s.validation_samples`` every row is
@@ -213,6 +214,7 @@ def run_sample(model, tokenizer, record: dict, context: list[int], question: lis
     kv, online_filters = _prefill(split, model, context, s.chunk, hd, s.calib_tokens, s.backend, online)
     add("prefill", t0)
 
+    t0 = time.perf_counter()
     stored = {}
     for key in dict.fromkeys(todo["forced"] + todo["greedy"]):
         if key == "full":
@@ -222,6 +224,7 @@ def run_sample(model, tokenizer, record: dict, context: list[int], question: lis
             stored[key] = compressed_kv(arm_by_name(name), ratio, kv, calibrated=calibrated, online=online_filters,
                                         seed=s.seed, backend=s.backend)
         kept[key] = stored[key][0][0].shape[2]
+    add("select", t0)
     if todo["forced"]:
         t0 = time.perf_counter()
         groups = defaultdict(list)  # rows holding as many tokens share a batch (no padding)
