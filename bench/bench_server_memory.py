@@ -17,7 +17,9 @@ Per prompt length L (tokens of the whole chat prompt) and server, on one fresh s
    prompt, and the first conversation with its last sentence edited (diverging a few tokens
    before the prompt's end).
 
-The growth per conversation is ``(RSS after N - RSS after 1) / (N - 1)``. The bound a stored
+The growth per conversation is ``(RSS after N - RSS after 1) / (N - 1)``, and the
+least-squares slope of RSS over the N conversations beside it (RSS moves with MLX's buffer
+cache by tens of MB between requests). The bound a stored
 conversation is checked against: ``budget + 1 + max_rewind`` rows per layer (kept rows, the
 decode slot, the rewind journal), twice when the answer is longer than the rewind depth.
 
@@ -29,6 +31,7 @@ takes a few minutes).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -140,11 +143,22 @@ def bound_bytes(budget: int) -> int:
     return LAYERS * ((budget + 1 + MAX_REWIND) * row + KV_HEADS * HEAD_DIM * 4)
 
 
+def _slope(r) -> float | None:
+    """Least-squares slope of RSS (MB) over the conversations stored (``None``: under two)."""
+    import numpy as np
+
+    if not r or len(r["conversations"]) < 2:
+        return None
+    y = np.array([c["rss_mb"] for c in r["conversations"]])
+    return float(np.polyfit(np.arange(len(y)), y, 1)[0])
+
+
 def markdown(res) -> str:
     lines = [f"# `qfilters-mlx server` vs `mlx_lm.server`: memory and reuse per conversation "
              f"(SmolLM2-135M float32)", "",
-             f"Machine: {res['meta']['machine']}, load average at start "
-             f"{res['meta']['loadavg_start'][0]:.1f}. Command: `{res['command']}`. "
+             f"Machine: {res['meta']['machine']}; runs (load average at start): "
+             + "; ".join(f"`{r['command']}` ({r['meta']['loadavg_start'][0]:.1f})"
+                         for r in res.get("runs", [res])) + ". "
              f"{MAX_TOKENS} tokens answered per request (greedy). Ours: its defaults "
              f"(`--max-rewind {MAX_REWIND}`, `--prefill-step-size 2048`) and `--budget B`; "
              "the anchor: `mlx_lm.server` (full `KVCache`). Both `--prompt-cache-size 64`.", ""]
@@ -158,15 +172,18 @@ def markdown(res) -> str:
             per = last.get("bytes_per_conversation")
             bound = bound_bytes(r["budget"]) if r["budget"] else None
             rss = " / ".join(f"{c['rss_mb']:,.0f}" for c in r["conversations"])
+            fit, fit_anchor = _slope(r), _slope(arms.get("mlx_lm"))
             rows.append([L, key, len(r["conversations"]), rss, f"{g:,.1f}" if g is not None else "-",
                          f"{g / anchor:.2f}" if g is not None and anchor else "-",
+                         f"{fit:,.1f} ({fit / fit_anchor:.2f})" if fit is not None and fit_anchor else "-",
                          f"{per / 1e6:,.2f}" if per is not None else "-",
                          f"{per / bound:.2f}" if per is not None and bound else "-",
                          f"{(st.get('process') or {}).get('active_bytes', 0) / 1e6:,.0f}" if st else "-"])
     lines += common.md_table(["prompt tokens", "server", "conversations", "RSS after each (MB)",
                               "growth per conversation (MB)", "vs anchor",
+                              "least-squares slope (MB; vs anchor)",
                               "/health stored per conversation (MB)", "vs budget + journal bound",
-                              "MLX active at end (MB)"], rows, "rrlrrrrrr")
+                              "MLX active at end (MB)"], rows, "rlrlrrrrrr")
     lines += ["", "Reuse (tokens of the prompt served from a stored cache, `cached_tokens`; "
               "prompt tokens in brackets):", ""]
     rows = []
@@ -192,6 +209,9 @@ def main() -> None:
     p.add_argument("--conversations-long", type=int, default=2, help="per longer length")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "server_memory.json")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/qfilters-server-memory"))
+    p.add_argument("--resume", action="store_true",
+                   help="keep the servers already measured in --out (same budgets and counts), "
+                        "run the rest")
     args = p.parse_args()
     from mlx_lm.utils import load_tokenizer
 
@@ -201,16 +221,22 @@ def main() -> None:
     tokenizer = load_tokenizer(model)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     res = {"meta": common.run_meta(), "command": "python bench/bench_server_memory.py "
-           + " ".join(sys.argv[1:]), "lengths": {}}
+           + " ".join(a for a in sys.argv[1:] if a != "--resume"), "lengths": {}}
+    if args.resume and args.out.exists():
+        old = json.loads(args.out.read_text())
+        res["lengths"] = old["lengths"]
+        res["runs"] = old.get("runs", [{"command": old["command"], "meta": old["meta"]}])
+    res.setdefault("runs", []).append({"command": res["command"], "meta": res["meta"]})
     for L in args.lengths:
         n = args.conversations if L <= 2048 else args.conversations_long
         spans = texts(tokenizer, L, n)
-        arms = {}
+        arms = res["lengths"].setdefault(str(L), {})
         for arm, budget in [("mlx_lm", None)] + [("qfilters", b) for b in args.budgets]:
             key = arm if budget is None else f"qfilters@{budget}"
+            if key in arms and len(arms[key]["conversations"]) == n:
+                continue  # (--resume: measured before)
             print(f"L={L} {key}: {n} conversations", flush=True)
             arms[key] = run_server(arm, model, budget, spans, args.log_dir, f"{L}-{key}")
-            res["lengths"][str(L)] = arms
             common.write_results(args.out, res, markdown(res))
     print(markdown(res))
 
