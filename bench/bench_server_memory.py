@@ -19,7 +19,9 @@ Per prompt length L (tokens of the whole chat prompt) and server, on one fresh s
 
 The growth per conversation is ``(RSS after N - RSS after 1) / (N - 1)``, and the
 least-squares slope of RSS over the N conversations beside it (RSS moves with MLX's buffer
-cache by tens of MB between requests). The bound a stored
+cache by tens of MB between requests). Ours: ``/health`` is read once the answer is stored;
+the stored bytes and MLX's active bytes per conversation are their growth from after the
+warm-up request to after the last conversation, divided by N. The bound a stored
 conversation is checked against: ``budget + 1 + max_rewind`` rows per layer (kept rows, the
 decode slot, the rewind journal), twice when the answer is longer than the rewind depth.
 
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,21 +102,35 @@ def _ask(port, messages) -> dict:
             "reused": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
 
 
+def _settled(port, arm, answers, timeout=120.0) -> dict | None:
+    """``/health``'s ``stored`` once ``answers`` answers are stored (the generation loop stores
+    a finished request's cache right after its reply); ``None`` for the anchor (no such
+    field)."""
+    if arm == "mlx_lm":
+        return None
+    deadline = time.time() + timeout
+    while True:
+        _, h = get_json(port, "/health")
+        stored = h.get("stored") or {}
+        if stored.get("conversations", -1) >= answers or time.time() > deadline:
+            return stored
+        time.sleep(0.2)
+
+
 def run_server(arm, model, budget, spans, log_dir, tag) -> dict:
     server = ServerProcess(argv(arm, model, budget), log_dir / f"{arm}-{tag}.log", env=_env(),
                            start_timeout=600)
     out = {"arm": arm, "budget": budget, "conversations": []}
     try:
         _ask(server.port, [{"role": "user", "content": "Hello."}])  # (warm-up, stored too)
+        out["health_start"] = _settled(server.port, arm, 1)
         out["rss_start_mb"] = server.rss_mb()
-        _, h = get_json(server.port, "/health")
-        out["health_start"] = h.get("stored")
         first = None
-        for text in spans[:-1]:
+        for i, text in enumerate(spans[:-1]):
             r = _ask(server.port, _messages(text))
             first = first or r
-            _, h = get_json(server.port, "/health")
-            out["conversations"].append({**r, "rss_mb": server.rss_mb(), "stored": h.get("stored")})
+            stored = _settled(server.port, arm, i + 2)
+            out["conversations"].append({**r, "rss_mb": server.rss_mb(), "stored": stored})
         msgs = _messages(spans[0])
         reuse = {"regenerated": _ask(server.port, msgs)}
         reuse["follow_up"] = _ask(server.port, msgs + [
@@ -168,8 +185,12 @@ def markdown(res) -> str:
         for key, r in arms.items():
             g = r["rss_growth_per_conversation_mb"]
             st = r.get("health_end") or {}
-            last = r["conversations"][-1]["stored"] or {}
-            per = last.get("bytes_per_conversation")
+            per = active = None
+            if r["conversations"][-1]["stored"]:
+                a, b = r["health_start"], r["conversations"][-1]["stored"]
+                n = len(r["conversations"])
+                per = (b["bytes"] - a["bytes"]) / n  # (the warm-up's entry left out)
+                active = (b["process"]["active_bytes"] - a["process"]["active_bytes"]) / n
             bound = bound_bytes(r["budget"]) if r["budget"] else None
             rss = " / ".join(f"{c['rss_mb']:,.0f}" for c in r["conversations"])
             fit, fit_anchor = _slope(r), _slope(arms.get("mlx_lm"))
@@ -178,12 +199,12 @@ def markdown(res) -> str:
                          f"{fit:,.1f} ({fit / fit_anchor:.2f})" if fit is not None and fit_anchor else "-",
                          f"{per / 1e6:,.2f}" if per is not None else "-",
                          f"{per / bound:.2f}" if per is not None and bound else "-",
-                         f"{(st.get('process') or {}).get('active_bytes', 0) / 1e6:,.0f}" if st else "-"])
+                         f"{active / 1e6:,.2f}" if active is not None else "-"])
     lines += common.md_table(["prompt tokens", "server", "conversations", "RSS after each (MB)",
                               "growth per conversation (MB)", "vs anchor",
                               "least-squares slope (MB; vs anchor)",
                               "/health stored per conversation (MB)", "vs budget + journal bound",
-                              "MLX active at end (MB)"], rows, "rlrlrrrrrr")
+                              "MLX active growth per conversation (MB)"], rows, "rlrlrrrrrr")
     lines += ["", "Reuse (tokens of the prompt served from a stored cache, `cached_tokens`; "
               "prompt tokens in brackets):", ""]
     rows = []

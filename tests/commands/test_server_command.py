@@ -225,3 +225,37 @@ def test_a_request_that_fails_after_it_was_admitted_gets_an_error_never_an_empty
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.parametrize("render,why", [([], "renders to no tokens"),
+                                        (ZeroDivisionError("integer division by zero"),
+                                         "could not be rendered: ZeroDivisionError")])
+def test_a_prompt_that_renders_to_nothing_or_fails_is_the_requests_error(render, why):
+    """A (client's) chat template that renders no tokens, or raises anything while rendering:
+    a 400 naming ``messages`` from the generation side, before the prompt reaches mlx-lm's
+    batch (an empty prompt there raised inside the loop and restarted it)."""
+    from types import SimpleNamespace
+
+    import mlx_lm.server as mlx_server
+
+    from qfilters_mlx.commands.server_http import error_status, generator_class
+    from qfilters_mlx.commands.server_requests import RequestError, Served
+
+    class Tokenizer:
+        has_chat_template, has_tool_calling, has_thinking = True, False, False
+        response_initial_state = None
+
+        def apply_chat_template(self, messages, **kw):
+            if isinstance(render, Exception):
+                raise render
+            return render
+
+    gen = object.__new__(generator_class(mlx_server))
+    gen.model_provider = SimpleNamespace(processor=None, served=Served(max_prompt_tokens=100),
+                                         cli_args=SimpleNamespace(chat_template_args={},
+                                                                  prefill_step_size=2048))
+    request = mlx_server.CompletionRequest("chat", "", [{"role": "user", "content": "x"}], None, None)
+    args = SimpleNamespace(chat_template_kwargs=None)
+    with pytest.raises(RequestError, match=why) as info:
+        gen._tokenize(Tokenizer(), request, args)
+    assert info.value.field == "messages" and error_status(info.value) == 400

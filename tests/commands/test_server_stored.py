@@ -59,18 +59,18 @@ def test_pieces_end_at_segment_ends_and_multiples_of_the_step(lengths, step):
     assert kinds == want
 
 
-@pytest.mark.parametrize("new_type,new_len,reach,old_type,old_len,dropped", [
-    ("assistant", 50, 10, "user", 40, True),  # the answer rewinds back to its prompt
-    ("assistant", 50, 9, "user", 40, False),  # one token short: the prompt checkpoint stays
-    ("assistant", 50, 0, "system", 10, False),
-    ("user", 50, 0, "system", 10, False),
-    ("user", 90, 0, "assistant", 50, True),  # a follow-up turn drops the turn it extends
-    ("user", 90, 0, "user", 40, True),
-    ("assistant", 90, 0, "assistant", 50, True),
-    ("assistant", 50, float("inf"), "system", 10, True),  # a full cache rewinds anywhere
+@pytest.mark.parametrize("new_len,reach,old_type,old_len,own,dropped", [
+    (50, 10, "user", 40, True, True),  # the answer rewinds back to its prompt
+    (50, 9, "user", 40, True, False),  # one token short: the prompt checkpoint stays
+    (50, 9, "assistant", 40, True, False),  # (a text completion's prompt checkpoint)
+    (50, 0, "system", 10, False, False),  # never a system prompt's checkpoint
+    (50, float("inf"), "system", 10, False, False),
+    (90, 0, "assistant", 50, False, True),  # a follow-up turn drops the turn it extends
+    (90, 0, "user", 40, False, True),
+    (90, 60, "user", 40, False, True),
 ])
-def test_which_prefixes_a_new_entry_drops(new_type, new_len, reach, old_type, old_len, dropped):
-    assert drops_prefix(new_type, new_len, reach, old_type, old_len) is dropped
+def test_which_prefixes_a_new_entry_drops(new_len, reach, old_type, old_len, own, dropped):
+    assert drops_prefix(new_len, reach, old_type, old_len, own_prompt=own) is dropped
 
 
 def _tokens(n, seed):
@@ -323,3 +323,51 @@ def test_the_trie_search_is_linear_in_a_long_stored_entry():
     search = time.perf_counter() - t
     assert result.longer == long and result.common_prefix == 2
     assert search < 20 * add + 0.05, (search, add)
+
+
+def test_a_system_prompt_stays_reusable_after_short_first_turns():
+    """A first turn that fits the budget (nothing evicted: its checkpoints can rewind to the
+    start) and its follow-up: a new conversation under the same system prompt still reuses the
+    system prompt, as mlx-lm's full caches do."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    system = _tokens(6, 0)
+    first = system + _tokens(4, 1)
+    _, out = _serve(store, model, cfg, first, 12, sys_end=6)
+    _serve(store, model, cfg, first + out + _tokens(30, 2), 12, sys_end=6)
+    other = system + _tokens(20, 3)
+    cache, rest = store.fetch_nearest_cache("m", other)
+    assert len(other) - len(rest) == 6
+    _same(cache, _run(model, cfg, [system]))
+
+
+def _serve_text(store, model, cfg, prompt, answer_tokens):
+    """A text completion as mlx-lm's batch loop serves it: one segment typed "assistant"
+    (its checkpoint at ``prompt[:-1]``), then the answer."""
+    cache, rest = store.fetch_nearest_cache("m", prompt)
+    reused = len(prompt) - len(rest)
+    caches = cache if cache is not None else _build(model, cfg)
+    if reused < len(prompt) - 1:
+        model(mx.array([prompt[reused:-1]]), cache=caches)
+        store.insert_cache("m", prompt[:-1], copy.deepcopy(caches), cache_type="assistant")
+    y, out = prompt[-1], []
+    for _ in range(answer_tokens):
+        y = int(mx.argmax(model(mx.array([[y]]), cache=caches)[0, -1]).item())
+        out.append(y)
+    model(mx.array([[y]]), cache=caches)
+    store.insert_cache("m", prompt + out, copy.deepcopy(caches), cache_type="assistant")
+    return reused
+
+
+@pytest.mark.parametrize("answer", [4, 12])
+def test_a_regenerated_text_completion_reuses_its_prompt(answer):
+    """Text completions have no "user" segment: the prompt checkpoint is typed "assistant";
+    it stays under its answer while the answer cannot rewind back to it."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    prompt = _tokens(40, 5)
+    _serve_text(store, model, cfg, prompt, answer)
+    assert _serve_text(store, model, cfg, prompt, answer) == len(prompt) - 1
+    assert store.stored_stats()["conversations"] == 1 + (answer + 1 > REWIND)

@@ -16,10 +16,12 @@ to the shared prefix). Here, for eviction caches:
 * **which entries are kept** (per conversation at most a prompt checkpoint and its answer,
   whatever the prompt length; :func:`drops_prefix`): a new entry drops every stored entry
   it extends, except a ``"system"`` checkpoint (shared by conversations with the same
-  system prompt) and the ``"user"`` checkpoint of its own prompt, while the new entry
-  cannot rewind back to them. A follow-up turn extends the stored answer; a regenerated
+  system prompt) and, for an answer, the checkpoint of its own prompt while the answer
+  cannot rewind back to it. A follow-up turn extends the stored answer; a regenerated
   answer (the same prompt again) is served by the answer rewound over its own tokens, or
-  by the prompt checkpoint when the answer is longer than the rewind depth.
+  by the prompt checkpoint when the answer is longer than the rewind depth. Requests
+  mlx-lm serves one at a time (a ``seed``, ``--kv-bits``, a draft model, images) store
+  only their answer: the same prompt again reuses it only within the rewind depth.
 * **bounds**, checked whenever an entry is stored, oldest dropped first (mlx-lm's order):
   ``max_size`` answers (``--prompt-cache-size``), ``max_size`` checkpoints, and
   ``max_bytes`` bytes (``--prompt-cache-bytes``) over all entries.
@@ -80,23 +82,23 @@ def prefill_segments(segments, types, step: int):
     return pieces, kinds
 
 
-def drops_prefix(new_type: str, new_length: int, new_reach: float, old_type: str,
-                 old_length: int) -> bool:
-    """Whether storing an entry (``new_type``, ``new_length`` tokens, rewinding
-    ``new_reach``) drops a stored entry that is a prefix of it (``old_type``,
-    ``old_length < new_length`` tokens).
+def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: int,
+                 own_prompt: bool = False) -> bool:
+    """Whether storing an entry (``new_length`` tokens, rewinding ``new_reach``) drops a stored
+    entry that is a prefix of it (``old_type``, ``old_length < new_length`` tokens).
 
-    Always when the new entry can rewind back to the old one's end (it serves the same
-    prompts); otherwise a ``"system"`` checkpoint is kept (other conversations start with
-    it), and so is a ``"user"`` checkpoint under an ``"assistant"`` entry (its own prompt:
-    a regenerated answer reuses it); everything else is dropped (an older turn of the same
-    conversation, a checkpoint the new one extends).
+    Never a ``"system"`` checkpoint (other conversations start with it; the count and byte
+    bounds limit them). Otherwise always when the new entry can rewind back to the old one's
+    end (it serves the same prompts); else only when the old one is not ``own_prompt``: the
+    checkpoint of the prompt a new answer continues (the longest stored prefix of an answer
+    that is not a system prompt), which a regenerated answer reuses. An older turn of the same
+    conversation, or a checkpoint a new prompt extends, is dropped.
     """
-    if new_length - new_reach <= old_length:
-        return True
     if old_type == "system":
         return False
-    return not (old_type == "user" and new_type == "assistant")
+    if new_length - new_reach <= old_length:
+        return True
+    return not own_prompt
 
 
 def rewind_reach(caches) -> float:
@@ -204,8 +206,12 @@ def prompt_cache_class(cache_module):
                     c.shrink_to_fit(journal_rows(c))
             reach = rewind_reach(prompt_cache)
             entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type)
-            for length, old in self._trie.prefixes(model, tokens):
-                if drops_prefix(cache_type, len(tokens), reach, old.cache_type, length):
+            prefixes = self._trie.prefixes(model, tokens)
+            own = None  # an answer's own prompt checkpoint: its longest non-system prefix
+            if cache_type == "assistant":
+                own = max((n for n, e in prefixes if e.cache_type != "system"), default=None)
+            for length, old in prefixes:
+                if drops_prefix(len(tokens), reach, old.cache_type, length, own_prompt=length == own):
                     self._drop(model, tokens[:length])
             prev = self._trie.add(model, tokens, entry)
             if prev is not None:

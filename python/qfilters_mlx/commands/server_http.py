@@ -109,11 +109,17 @@ def generator_class(server):
                 raise self._load_error
 
         def _tokenize(self, tokenizer, request, args):
-            prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            field = "messages" if request.request_type == "chat" else "prompt"
+            try:  # (rendering depends only on the request: a failure is the request's)
+                prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            except Exception as err:  # noqa: BLE001
+                raise RequestError(field, f"the prompt could not be rendered: "
+                                          f"{type(err).__name__}: {err}"[:500]) from err
+            if not prompt:
+                raise RequestError(field, "the prompt renders to no tokens")
             served = getattr(self.model_provider, "served", None)
             limit = getattr(served, "max_prompt_tokens", None)
             if limit is not None and len(prompt) > limit:
-                field = "messages" if request.request_type == "chat" else "prompt"
                 raise RequestError(field, f"the prompt is {len(prompt)} tokens, over the limit of "
                                           f"{limit} (the model's context unless the server sets "
                                           "--max-prompt-tokens)")
