@@ -156,3 +156,20 @@ def test_stop_strings_and_messages_have_limits():
     msgs = [{"role": "user", "content": "x"}]
     check_body({**GOOD, "messages": msgs * MAX_MESSAGES}, "chat", Served(vocab_size=100))
     assert _refused({**GOOD, "messages": msgs * (MAX_MESSAGES + 1)}).field == "messages"
+
+
+def test_prompt_text_far_over_the_token_limit_is_refused_before_tokenization():
+    from qfilters_mlx.commands.server_requests import MAX_CHARS_PER_TOKEN
+
+    served = Served(vocab_size=100, max_prompt_tokens=10)
+    limit = 10 * MAX_CHARS_PER_TOKEN
+    check_body({"prompt": "a" * limit}, "text", served)
+    with pytest.raises(RequestError, match="characters") as info:
+        check_body({"prompt": "a" * (limit + 1)}, "text", served)
+    assert info.value.field == "prompt"
+    msgs = [{"role": "system", "content": "a" * (limit // 2)},
+            {"role": "user", "content": [{"type": "text", "text": "b" * (limit // 2 + 1)}]}]
+    with pytest.raises(RequestError, match="characters") as info:
+        check_body({"messages": msgs}, "chat", served)
+    assert info.value.field == "messages"
+    check_body({"messages": msgs}, "chat", Served(vocab_size=100))  # (no limit: not checked)

@@ -38,6 +38,9 @@ MAX_INT_DIGITS = 64
 """Longest integer literal in a body, in characters: far above any field's range; Python's
 parser refuses over 4,300 digits with a ``ValueError`` of its own, and converting one costs
 time quadratic in its length."""
+MAX_CHARS_PER_TOKEN = 64
+"""Characters of prompt text allowed per token of ``Served.max_prompt_tokens`` (checked
+before tokenization; English prose is about 4 characters per token)."""
 MAX_STOP_WORDS = 16
 MAX_STOP_CHARS = 256
 """Longest stop string, in characters (each is matched at every generated token)."""
@@ -223,6 +226,26 @@ def _logit_bias(body, vocab_size: int):
                                              f"[-100, 100], got {json.dumps(b)[:40]}")
 
 
+def _prompt_chars(body, endpoint, max_tokens):
+    """A prompt far longer than ``max_tokens`` tokens is refused before the generation thread
+    tokenizes it (which would stall every stream in progress): more than
+    :data:`MAX_CHARS_PER_TOKEN` characters of text per allowed token."""
+    if max_tokens is None:
+        return
+    if endpoint == "text":
+        chars, field = len(body["prompt"]), "prompt"
+    else:
+        chars, field = 0, "messages"
+        for m in body["messages"]:
+            content = m.get("content")
+            parts = [content] if isinstance(content, str) else content or []
+            chars += sum(len(p) if isinstance(p, str) else len(p.get("text") or "") for p in parts)
+    if chars > MAX_CHARS_PER_TOKEN * max_tokens:
+        raise RequestError(field, f"{chars} characters of prompt text is over the limit of "
+                                  f"{MAX_CHARS_PER_TOKEN * max_tokens} ({MAX_CHARS_PER_TOKEN} per "
+                                  f"token of the {max_tokens}-token prompt limit)")
+
+
 def check_body(body: dict, endpoint: str, served: Served) -> dict:
     """Check every field of a chat (``endpoint="chat"``) or text (``"text"``) completion body.
 
@@ -237,6 +260,7 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
     else:
         if not isinstance(body.get("prompt"), str) or not body["prompt"]:
             raise RequestError("prompt", "must be a non-empty string")
+    _prompt_chars(body, endpoint, served.max_prompt_tokens)
     _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None:
