@@ -55,10 +55,11 @@ _BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by
 
 DEFAULT_MAX_REWIND = 64
 """Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
-otherwise: a stored conversation is then reused by a prompt that leaves it up to this many
-tokens before its end (a regenerated answer of up to this many tokens, an edit near the end),
-and a draft model may propose up to this many tokens. Each stored cache keeps at most this
-many rows of rewind journal besides its budget. Cost (decode speed, bytes):
+otherwise, and a draft model may propose up to this many tokens. Each stored cache keeps at
+most this many rows of rewind journal besides its budget, so a stored conversation is reused by
+a prompt that leaves it up to this many tokens before its end (a regenerated answer of up to
+this many tokens), fewer when its last calls evicted more rows than that (a multi-token call
+keeps the rows it dropped: a prompt's last prefill call usually cannot be rewound at rest). Cost (decode speed, bytes):
 bench/results/server_soak.md."""
 
 DEFAULT_PROMPT_CACHE_SIZE = 30
