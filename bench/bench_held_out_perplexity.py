@@ -87,7 +87,8 @@ def segment_text(name: str) -> tuple[str, str]:
         src = open(path, encoding="utf-8").read()
         starts = [i for i in (src.find("\ndef "), src.find("\nclass ")) if i >= 0]
         start = min(starts) + 1
-        return src[start:start + 40_000], f"Lib/{os.path.basename(path)} from character {start} (first top-level def/class)"
+        where = f"Lib/{os.path.basename(path)} from character {start} (first top-level def/class)"
+        return src[start:start + 40_000], where
     raise ValueError(f"unknown segment {name!r}")
 
 
@@ -193,7 +194,8 @@ def markdown(results: dict, st: dict) -> str:
     lines = ["# Held-out perplexity: StreamingLLM, the default, the oracle (SmolLM2-135M-Instruct)", "",
              "Commands:", "", *[f"    {c}" for c in results["commands"]], "",
              f"Simulated streaming eviction, {PREFIX}-token first call then token by token, "
-             f"{results['settings']['tokens'] - PREFIX} scored tokens per segment, 4 sinks; default and oracle: recent window budget/2. "
+             f"{results['settings']['tokens'] - PREFIX} scored tokens per segment, 4 sinks; "
+             "default and oracle: recent window budget/2. "
              f"Default filters: {re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}.", "",
              "Segments: " + "; ".join(f"`{s}`: {results['segment_sources'][s]}" for s in segs) + ".", "",
              "Perplexity pooled over the segments (exp of the mean NLL of all scored tokens):", ""]

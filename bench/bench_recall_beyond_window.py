@@ -193,7 +193,8 @@ def markdown(results: dict, s: dict) -> str:
             c = s["cells"][f"{arm}@{b}"]
             kept = ("" if c["needle_kept"] is None else
                     f"; key kept {c['needle_kept']:.0%} ({c['needle_kept_of_oracle']:.0%} of the oracle's)")
-            row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; NLL {c['median_key_nll']:.2f}{kept}")
+            row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; "
+                       f"NLL {c['median_key_nll']:.2f}{kept}")
         rows.append(row)
     head = [f"budget {b} (x{np.mean(ptoks) / b:.1f})" for b in budgets]
     lines += common.md_table(["arm"] + head, rows)

@@ -32,7 +32,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["MaskedArm", "attention_received", "keep_masks", "oracle_arm", "oracle_arms", "simulated_nll", "simulated_predictions", "simulated_pass"]
+__all__ = ["MaskedArm", "attention_received", "keep_masks", "oracle_arm", "oracle_arms", "simulated_nll",
+           "simulated_pass", "simulated_predictions"]
 
 
 @dataclass(frozen=True)
