@@ -23,7 +23,7 @@ Arms: ``streaming_llm`` (4 sinks + budget - 4 recent tokens); ``default`` (the f
 ``for_model`` calibrates on first use, made here in a fresh filters home exactly as a first use
 does); ``oracle`` (the default's keep rule, each key scored by the attention it receives in the
 full-cache pass from the queries after it has left the recent window, summed over its GQA group:
-:func:`qfilters_mlx.evaluation.simulate.oracle_arms`; it sees the future, a ceiling for every
+:func:`qfilters_mlx.evaluation.oracle.oracle_arms`; it sees the future, a ceiling for every
 score fixed at insertion).
 
 Statistics (:mod:`qfilters_mlx.evaluation.pooled`): per budget the pooled gap ratio to StreamingLLM
@@ -62,7 +62,8 @@ from qfilters_mlx.config import KVCacheConfig
 from qfilters_mlx.evaluation.bootstrap import gap_ratio
 from qfilters_mlx.evaluation.perplexity import full_cache_nll, perplexity
 from qfilters_mlx.evaluation.pooled import equivalent_budget, pooled_ratio_bootstrap
-from qfilters_mlx.evaluation.simulate import MaskedArm, oracle_arms, simulated_nll
+from qfilters_mlx.evaluation.oracle import oracle_arms
+from qfilters_mlx.evaluation.simulate import MaskedArm, simulated_nll
 
 PREFIX, TOKENS, N_SINK = 128, 1024, 4
 BUDGETS = (64, 128, 256, 512)

@@ -22,7 +22,7 @@ on those), with exact (Clopper-Pearson) 95% intervals (``scipy.stats.binomtest``
 Arms: ``streaming_llm``; ``default`` (the filter ``for_model`` calibrates on first use, recent
 budget/2); ``oracle`` (the default's keep rule, each key scored by the attention it receives in the
 full-cache pass of the same sequence, question and answer included, from the queries after it left
-the recent window: :func:`qfilters_mlx.evaluation.simulate.oracle_arms`).
+the recent window: :func:`qfilters_mlx.evaluation.oracle.oracle_arms`).
 
 Usage (resumable; ``--report`` rewrites the tables only)::
 
@@ -53,7 +53,8 @@ from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import source_text
 from qfilters_mlx.evaluation.recall import full_predictions, key_recall, needle_prompt
 from qfilters_mlx.evaluation.retrieval import pass_key
-from qfilters_mlx.evaluation.simulate import MaskedArm, oracle_arms, simulated_predictions
+from qfilters_mlx.evaluation.oracle import oracle_arms
+from qfilters_mlx.evaluation.simulate import MaskedArm, simulated_predictions
 
 CONTEXT, PREFIX = 400, 32
 BUDGETS = (128, 64)

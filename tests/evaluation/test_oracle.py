@@ -10,8 +10,8 @@ from helpers.oracle import np_keep
 from helpers.query_models import tiny_llama
 from qfilters_mlx.config import KVCacheConfig
 from qfilters_mlx.evaluation.perplexity import full_cache_nll
-from qfilters_mlx.evaluation.simulate import (MaskedArm, attention_received, keep_masks, oracle_arm, oracle_arms,
-                                              simulated_nll)
+from qfilters_mlx.evaluation.oracle import attention_received, oracle_arm, oracle_arms
+from qfilters_mlx.evaluation.simulate import MaskedArm, keep_masks, simulated_nll
 from qfilters_mlx.filters.window_capture import keys_and_queries
 
 HD = 16  # tiny_llama: hidden 144 / 9 query heads over 3 KV heads

@@ -1,0 +1,45 @@
+"""Routing mlx-lm's attention of chosen layers through a function of ours, for the one-pass
+simulations (:mod:`.simulate`, :mod:`.oracle`): every loaded ``mlx_lm.models`` module that
+imported ``scaled_dot_product_attention`` gets a wrapper for the duration, undone on exit."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Callable
+
+__all__ = ["refuse_own_mask", "route_attention"]
+
+
+def refuse_own_mask(layer: int, mask) -> None:
+    """Raise ``ValueError`` when ``layer`` attends with a mask other than the causal one."""
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        # (a sliding-window or padded layer: its own mask would be replaced silently)
+        raise ValueError(f"simulated_nll: layer {layer} attends with its own mask (a "
+                         "sliding window?): only causal full-attention layers are simulated")
+
+
+@contextmanager
+def route_attention(kind: type, attend: Callable):
+    """Route mlx-lm's ``scaled_dot_product_attention`` of layers whose cache is a ``kind`` through
+    ``attend(queries, keys, values, cache, scale, mask, sinks)`` (every loaded ``mlx_lm.models``
+    module that imported it); other layers keep the original."""
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        if not isinstance(cache, kind):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return attend(queries, keys, values, cache, scale, mask, sinks)
+
+    patched = [m for name, m in list(sys.modules.items())
+               if name.startswith("mlx_lm.models.") and getattr(m, "scaled_dot_product_attention", None)
+               is original]
+    for m in patched:
+        m.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        for m in patched:
+            m.scaled_dot_product_attention = original
