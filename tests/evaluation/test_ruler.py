@@ -157,13 +157,37 @@ def test_bootstrap_average_point_and_interval():
     per_task = [np.array([0.0, 100.0, 100.0]), np.array([50.0, 50.0])]
     avg, lo, hi = bootstrap_average(per_task)
     assert avg == pytest.approx((200 / 3 + 50) / 2)
-    assert lo <= avg <= hi and lo >= 25 and hi <= 75
+    assert lo < avg < hi and lo >= 0 and hi <= 100
     assert bootstrap_average([np.array([40.0] * 4)]) == (40.0, 40.0, 40.0)
     # one sample per task: the pooled samples are resampled (a spread remains)
     avg, lo, hi = bootstrap_average([np.array([0.0]), np.array([100.0]), np.array([100.0])])
     assert avg == pytest.approx(200 / 3) and lo < avg < hi
     d = bootstrap_average([np.array([[10.0, 20.0], [10.0, 20.0]])])
     assert d == (0.0, 0.0, 0.0)
+    # few samples per task: tasks whose samples agree still leave a spread between tasks
+    avg, lo, hi = bootstrap_average([np.array([100.0, 100.0]), np.array([0.0, 0.0])])
+    assert avg == 50.0 and lo < 50.0 < hi
+    # from MIN_STRATIFIED samples per task on: stratified (constant tasks, no spread)
+    assert bootstrap_average([np.full(5, 40.0), np.full(6, 60.0)]) == (50.0, 50.0, 50.0)
+
+
+def test_pooled_bootstrap_is_the_rule_written_out():
+    """Pooled draws, each resample's statistic the mean over the tasks it drew of their means
+    (a plain loop over the same random draws)."""
+    per_task = [np.array([0.0, 100.0, 30.0]), np.array([50.0, 10.0]), np.array([70.0])]
+    vals = [v for x in per_task for v in x]
+    task = [i for i, x in enumerate(per_task) for _ in x]
+    idx = np.random.default_rng(3).integers(0, len(vals), size=(200, len(vals)))
+    stats = []
+    for row in idx:
+        by = {}
+        for j in row:
+            by.setdefault(task[j], []).append(vals[j])
+        stats.append(sum(sum(v) / len(v) for v in by.values()) / len(by))
+    lo, hi = np.quantile(stats, [0.025, 0.975])
+    avg, got_lo, got_hi = bootstrap_average(per_task, n_boot=200, seed=3)
+    assert avg == pytest.approx((130 / 3 + 30 + 70) / 3)
+    assert (got_lo, got_hi) == (pytest.approx(lo), pytest.approx(hi))
 
 
 def _rec(task, i, full, knorm, stream, greedy_knorm=None):

@@ -14,10 +14,9 @@ the validation subset). Subsets: ``all`` samples, and ``full_correct``: the samp
 full-cache greedy answer scores 100 (a compressed method cannot be judged where the model
 itself fails).
 
-The interval is a stratified percentile bootstrap over samples: each task's samples are
-drawn with replacement (its own count), the task means averaged; ``n_boot`` resamples,
-seeded. While some task has a single sample (which has no spread of its own) the samples
-of all tasks are resampled as one pool instead (the mean of the pooled samples). Paired
+The interval is a percentile bootstrap over samples (``n_boot`` resamples, seeded) of the mean
+of the task means: stratified by task once every task has :data:`MIN_STRATIFIED` samples,
+else over the pooled samples (:func:`bootstrap_average`). Paired
 differences (``paired``: every pair of methods at a (length, protocol, ratio, metric, subset))
 resample the same samples for both; ``separated`` says whether the interval excludes 0, and is
 ``None`` below :data:`MIN_PAIRED` samples (a bootstrap of a handful of samples is too narrow to
@@ -38,6 +37,7 @@ __all__ = ["METRICS", "MIN_PAIRED", "N_BOOT", "agreement", "bootstrap_average", 
 
 N_BOOT = 2000
 MIN_PAIRED = 10
+MIN_STRATIFIED = 5
 METRICS = ("forced_match", "loglik", "string_match")
 SUBSETS = ("all", "full_correct")
 
@@ -45,6 +45,11 @@ SUBSETS = ("all", "full_correct")
 def bootstrap_average(per_task: list[np.ndarray], n_boot: int = N_BOOT, seed: int = 0,
                       level: float = 0.95) -> tuple[float, float, float]:
     """``(average, low, high)`` of the mean over tasks of each task's mean score.
+
+    Stratified (each task's samples drawn with replacement, its own count) when every task has
+    at least :data:`MIN_STRATIFIED` samples; below that a task whose few samples happen to agree
+    would contribute no spread, so the samples of all tasks are drawn as one pool and each
+    resample's statistic is the mean over the tasks it drew of their means.
 
     Args:
         per_task: per task, the per-sample values (``[n_t]``, or ``[k, n_t]`` for ``k``
@@ -62,11 +67,19 @@ def bootstrap_average(per_task: list[np.ndarray], n_boot: int = N_BOOT, seed: in
         xs.append(x[0] - x[1] if x.ndim == 2 else x)
     point = float(np.mean([x.mean() for x in xs]))
     a = (1 - level) / 2
-    if min(len(x) for x in xs) >= 2:  # stratified: each task's samples, its own count
+    if min(len(x) for x in xs) >= MIN_STRATIFIED:  # stratified: each task's samples, its own count
         avg = np.mean([x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1) for x in xs], axis=0)
-    else:  # a task with one sample has no spread of its own: resample the pooled samples
-        pooled = np.concatenate(xs)
-        avg = pooled[rng.integers(0, len(pooled), size=(n_boot, len(pooled)))].mean(axis=1)
+    else:  # pooled draws, the statistic the mean of the drawn tasks' means
+        vals = np.concatenate(xs)
+        task = np.concatenate([np.full(len(x), i) for i, x in enumerate(xs)])
+        idx = rng.integers(0, len(vals), size=(n_boot, len(vals)))
+        rows = np.repeat(np.arange(n_boot), len(vals))
+        sums = np.zeros((n_boot, len(xs)))
+        counts = np.zeros((n_boot, len(xs)))
+        np.add.at(sums, (rows, task[idx].ravel()), vals[idx].ravel())
+        np.add.at(counts, (rows, task[idx].ravel()), 1.0)
+        drawn = counts > 0
+        avg = (np.where(drawn, sums / np.maximum(counts, 1), 0.0).sum(axis=1) / drawn.sum(axis=1))
     low, high = np.quantile(avg, [a, 1 - a])
     return point, float(low), float(high)
 
@@ -178,6 +191,7 @@ def leaderboard(records: list[dict], meta: dict | None = None) -> dict:
                            "n_samples": n, "separated": bool(low > 0 or high < 0) if n >= MIN_PAIRED else None})
     meta["compute_seconds"] = {k: dict(v) for k, v in sorted(seconds.items(), key=lambda kv: int(kv[0]))}
     meta["samples"] = dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
-    meta["bootstrap"] = (f"percentile bootstrap over samples, {N_BOOT} resamples, seed 0: stratified by "
-                         "task when every task has two samples or more, else over the pooled samples")
+    meta["bootstrap"] = (f"percentile bootstrap over samples, {N_BOOT} resamples, seed 0, of the mean of the task "
+                         f"means: stratified by task when every task has {MIN_STRATIFIED} samples or more, else "
+                         "over the pooled samples (each resample's mean over the tasks it drew)")
     return {"meta": meta, "rows": rows, "paired": paired, "agreement": agreement(records)}
