@@ -308,66 +308,21 @@ def test_the_linear_trie_search_finds_what_mlx_lms_finds(seed):
 
 
 def test_the_trie_search_is_linear_in_a_long_stored_entry():
-    """mlx-lm's search copies the path at every node below the divergence (quadratic: about
-    1.8 x 10^9 list items for this entry); ours walks it once: it costs about what storing
-    the entry costs (paired, same process), not thousands of times more."""
+    """mlx-lm's search copies the path at every node below the divergence (quadratic: 10 times
+    the entry, 100 times the work); ours walks it once: 10 times the entry costs about 10 times
+    as much (paired in one process, the best of 3 each; bound 40)."""
     import time
 
-    trie = prompt_cache_class(cache_module)()._trie
-    long = list(range(60_000))
-    t = time.perf_counter()
-    trie.add("m", long, object())
-    add = time.perf_counter() - t
-    t = time.perf_counter()
-    result = trie.search("m", [0, 1, -5])
-    search = time.perf_counter() - t
-    assert result.longer == long and result.common_prefix == 2
-    assert search < 20 * add + 0.05, (search, add)
+    def cost(n):
+        trie = prompt_cache_class(cache_module)()._trie
+        trie.add("m", list(range(n)), object())
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            result = trie.search("m", [0, 1, -5])
+            best = min(best, time.perf_counter() - t)
+        assert result.longer == list(range(n)) and result.common_prefix == 2
+        return best
 
-
-def test_a_system_prompt_stays_reusable_after_short_first_turns():
-    """A first turn that fits the budget (nothing evicted: its checkpoints can rewind to the
-    start) and its follow-up: a new conversation under the same system prompt still reuses the
-    system prompt, as mlx-lm's full caches do."""
-    model = tiny_llama()
-    cfg = config()
-    store = _store()
-    system = _tokens(6, 0)
-    first = system + _tokens(4, 1)
-    _, out = _serve(store, model, cfg, first, 12, sys_end=6)
-    _serve(store, model, cfg, first + out + _tokens(30, 2), 12, sys_end=6)
-    other = system + _tokens(20, 3)
-    cache, rest = store.fetch_nearest_cache("m", other)
-    assert len(other) - len(rest) == 6
-    _same(cache, _run(model, cfg, [system]))
-
-
-def _serve_text(store, model, cfg, prompt, answer_tokens):
-    """A text completion as mlx-lm's batch loop serves it: one segment typed "assistant"
-    (its checkpoint at ``prompt[:-1]``), then the answer."""
-    cache, rest = store.fetch_nearest_cache("m", prompt)
-    reused = len(prompt) - len(rest)
-    caches = cache if cache is not None else _build(model, cfg)
-    if reused < len(prompt) - 1:
-        model(mx.array([prompt[reused:-1]]), cache=caches)
-        store.insert_cache("m", prompt[:-1], copy.deepcopy(caches), cache_type="assistant")
-    y, out = prompt[-1], []
-    for _ in range(answer_tokens):
-        y = int(mx.argmax(model(mx.array([[y]]), cache=caches)[0, -1]).item())
-        out.append(y)
-    model(mx.array([[y]]), cache=caches)
-    store.insert_cache("m", prompt + out, copy.deepcopy(caches), cache_type="assistant")
-    return reused
-
-
-@pytest.mark.parametrize("answer", [4, 12])
-def test_a_regenerated_text_completion_reuses_its_prompt(answer):
-    """Text completions have no "user" segment: the prompt checkpoint is typed "assistant";
-    it stays under its answer while the answer cannot rewind back to it."""
-    model = tiny_llama()
-    cfg = config()
-    store = _store()
-    prompt = _tokens(40, 5)
-    _serve_text(store, model, cfg, prompt, answer)
-    assert _serve_text(store, model, cfg, prompt, answer) == len(prompt) - 1
-    assert store.stored_stats()["conversations"] == 1 + (answer + 1 > REWIND)
+    small, large = cost(4_000), cost(40_000)
+    assert large < 40 * small, (small, large)
