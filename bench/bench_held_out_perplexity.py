@@ -123,12 +123,38 @@ def config(arm: str, budget: int, hd: int) -> KVCacheConfig:
     return KVCacheConfig(method="qfilters", head_dim=hd, qfilters_budget=budget, qfilters_n_sink=N_SINK)
 
 
+class Arms:
+    """The simulator's :data:`ARMS` of one run: StreamingLLM and the default by their
+    :func:`config` (the default filters made on first use, their origin recorded in
+    ``results["default_filters"]`` when ``results`` is given), the oracle from one full-cache
+    pass per token sequence (:func:`oracle_arms`). Both benches of the simulator use it."""
+
+    def __init__(self, model, tokenizer, hd: int, results: dict | None = None):
+        self.model, self.tokenizer, self.hd, self.results = model, tokenizer, hd, results
+        self.filters = None
+
+    def default_filters(self):
+        if self.filters is None:
+            self.filters, origin = default_filters(self.model, self.tokenizer)
+            if self.results is not None:
+                self.results["default_filters"] = re.sub(r"/tmp/\S+ ", "", origin)
+        return self.filters
+
+    def for_tokens(self, tokens, todo) -> dict:
+        """``{(arm, budget): MaskedArm}`` for ``todo`` (``(arm, budget)`` pairs) on ``tokens``."""
+        bs = [b for arm, b in todo if arm == "oracle"]
+        oracles = dict(zip(bs, oracle_arms(self.model, tokens, [config("oracle", b, self.hd) for b in bs]))) \
+            if bs else {}
+        return {(arm, b): oracles[b] if arm == "oracle" else MaskedArm(
+            config(arm, b, self.hd), filters=self.default_filters() if arm == "default" else None)
+            for arm, b in todo}
+
+
 def run(a, results: dict, save) -> None:
     from qfilters_mlx.model_info import model_head_dim
 
     model, tokenizer = load(str(prepare_model()))
-    hd = model_head_dim(model)
-    filters = None
+    arms = Arms(model, tokenizer, model_head_dim(model), results)
     for seg in a.segments:
         text, where = segment_text(seg)
         ids = tokenizer.encode(text, add_special_tokens=False)[:a.tokens]
@@ -141,18 +167,13 @@ def run(a, results: dict, save) -> None:
             cells["full"] = {"ppl": perplexity(nll), "nll": [round(x, 5) for x in nll]}
             save()
         todo = [(arm, b) for b in a.budgets for arm in ARMS if f"{arm}@{b}" not in cells]
-        oracles = {}
-        if any(arm == "oracle" for arm, _ in todo):
-            bs = [b for arm, b in todo if arm == "oracle"]
-            tic = time.perf_counter()
-            oracles = dict(zip(bs, oracle_arms(model, ids, [config("oracle", b, hd) for b in bs])))
-            print(f"{seg} oracle scores for {bs}: {time.perf_counter() - tic:.0f} s", flush=True)
+        tic = time.perf_counter()
+        masked = arms.for_tokens(ids, todo)
+        print(f"{seg} arms for {todo} (oracle scores, default filters): {time.perf_counter() - tic:.0f} s",
+              flush=True)
         for arm, b in todo:
-            if arm == "default" and filters is None:
-                filters, origin = default_filters(model, tokenizer)
-                results["default_filters"] = re.sub(r"/tmp/\S+ ", "", origin)
             tic = time.perf_counter()
-            m = oracles[b] if arm == "oracle" else MaskedArm(config(arm, b, hd), filters=filters)
+            m = masked[arm, b]
             nll = simulated_nll(model, ids, m, PREFIX)
             cells[f"{arm}@{b}"] = {"arm": arm, "budget": b, "ppl": perplexity(nll),
                                    "recent": m.windows(0, 1)[0], "nll": [round(x, 5) for x in nll]}

@@ -48,13 +48,12 @@ import numpy as np
 from mlx_lm import load
 from scipy.stats import binomtest
 
-from bench_held_out_perplexity import config, default_filters
+from bench_held_out_perplexity import Arms
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import source_text
 from qfilters_mlx.evaluation.recall import full_predictions, key_recall, needle_prompt
 from qfilters_mlx.evaluation.retrieval import pass_key
-from qfilters_mlx.evaluation.oracle import oracle_arms
-from qfilters_mlx.evaluation.simulate import MaskedArm, simulated_predictions
+from qfilters_mlx.evaluation.simulate import simulated_predictions
 
 CONTEXT, PREFIX = 400, 32
 BUDGETS = (128, 64)
@@ -68,9 +67,8 @@ def run(a, results: dict, save) -> None:
     from qfilters_mlx.model_info import model_head_dim
 
     model, tokenizer = load(str(prepare_model()))
-    hd = model_head_dim(model)
+    arms = Arms(model, tokenizer, model_head_dim(model), results)
     text = source_text()
-    filters = None
     for off in a.offsets:
         hay = text[text.index("\n\n", off) + 2:]
         for depth in a.depths:
@@ -88,14 +86,10 @@ def run(a, results: dict, save) -> None:
                 print(f"{name}: the full cache misses it; arms not run", flush=True)
                 continue
             todo = [(arm, b) for b in a.budgets for arm in ARMS if f"{arm}@{b}" not in cell]
-            bs = [b for arm, b in todo if arm == "oracle"]
-            oracles = dict(zip(bs, oracle_arms(model, p.tokens, [config("oracle", b, hd) for b in bs]))) if bs else {}
+            masked = arms.for_tokens(p.tokens, todo)
             for arm, b in todo:
-                if arm == "default" and filters is None:
-                    filters, origin = default_filters(model, tokenizer)
-                    results["default_filters"] = re.sub(r"/tmp/\S+ ", "", origin)
                 tic = time.perf_counter()
-                m = oracles[b] if arm == "oracle" else MaskedArm(config(arm, b, hd), filters=filters)
+                m = masked[arm, b]
                 nll, arg = simulated_predictions(model, p.tokens, m, PREFIX)
                 ok, key_nll = key_recall(p, nll, arg, PREFIX)
                 cell[f"{arm}@{b}"] = {"recalled": ok, "key_nll": key_nll, "argmax_key": [arg[i - PREFIX] for i in
@@ -115,8 +109,7 @@ def needle_kept(model, tokenizer, a, results: dict, save) -> None:
     from qfilters_mlx.filters.window_capture import keys_and_queries
     from qfilters_mlx.model_info import model_head_dim
 
-    hd = model_head_dim(model)
-    filters = None
+    arms = Arms(model, tokenizer, model_head_dim(model))
     text = source_text()
     for name, cell in results["prompts"].items():
         if not cell["full"]["recalled"] or "kept" in cell:
@@ -124,16 +117,14 @@ def needle_kept(model, tokenizer, a, results: dict, save) -> None:
         off, depth = name.split("@")
         hay = text[text.index("\n\n", int(off)) + 2:]
         p = needle_prompt(tokenizer, hay, a.context, float(depth), cell["key"])
-        if filters is None:
-            filters, _ = default_filters(model, tokenizer)
         (layers,) = keys_and_queries(model, [p.tokens[:-1]])
-        oracles = dict(zip(a.budgets, oracle_arms(model, p.tokens, [config("oracle", b, hd) for b in a.budgets])))
+        masked = arms.for_tokens(p.tokens, [(arm, b) for b in a.budgets for arm in ARMS])
         t = p.key_positions[0] - 1  # the query that predicts the answer's first key token
         needle = range(p.needle_position, p.needle_position + len(p.key_positions))
         kept, held = {}, {}
         for b in a.budgets:
             for arm in ARMS:
-                m = oracles[b] if arm == "oracle" else MaskedArm(config(arm, b, hd), filters=filters)
+                m = masked[arm, b]
                 hits = []
                 for layer, (keys, _, _) in enumerate(layers):
                     sc = np.array(m.scores(layer, mx.array(keys)[None]).astype(mx.float32))[0]
