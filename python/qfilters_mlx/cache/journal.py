@@ -142,23 +142,21 @@ class RewindJournal:
         """
         if limit < 0:
             raise ValueError(f"keep_rows: limit must be >= 0, got {limit}")
-        held = sum(record_rows(r) for r in self.records)
+        held = self.rows
         while self.records and held > limit:
             old = self.records.popleft()
             held -= record_rows(old)
             self.tokens -= old.tokens
 
+    @property
+    def rows(self) -> int:
+        """K/V rows the records hold (:func:`record_rows`)."""
+        return sum(record_rows(r) for r in self.records)
+
     def arrays(self) -> list:
         """Every array the records hold (``None`` entries left out), oldest record first."""
         out = []
-        for r in self.records:
-            if isinstance(r, StepRecord):
-                parts = (r.free, r.rows, r.scores, r.positions)
-            elif isinstance(r, LayoutRecord):
-                parts = (r.slots,)
-            else:
-                parts = (r.filter, r.queries, r.slots, r.dropped, r.observed)
-            out.extend(_flat(parts))
+        self.map_arrays(lambda a: out.append(a) or a)
         return out
 
     def map_arrays(self, fn) -> None:
@@ -197,14 +195,6 @@ class RewindJournal:
             else:
                 total += _nbytes((r.slots, r.dropped, r.observed))
         return total
-
-
-def _flat(x) -> list:
-    if x is None:
-        return []
-    if isinstance(x, (tuple, list)):
-        return [a for part in x for a in _flat(part)]
-    return [x] if isinstance(x, mx.array) else []
 
 
 def _map(fn, x):

@@ -124,15 +124,13 @@ def journal_rows(cache) -> int:
 def stored_rows(caches) -> int:
     """Rows per layer a stored entry holds: the largest K/V buffer over its layers
     (allocated rows, live or not), plus the K/V rows its rewind journal keeps."""
-    from qfilters_mlx.cache.journal import record_rows
-
     rows = 0
     for c in caches:
         keys = getattr(c, "keys", None)
         n = 0 if keys is None else (keys[0] if isinstance(keys, tuple) else keys).shape[2]
         journal = getattr(c, "_journal", None)
         if journal is not None:
-            n += sum(record_rows(r) for r in journal.records)
+            n += journal.rows
         rows = max(rows, n)
     return rows
 
