@@ -1,4 +1,4 @@
-"""Recent windows chosen by the decoded loss (:mod:`qfilters_mlx.filters.decoded_windows`) on
+"""Recent windows chosen by the decoded loss (:mod:`qfilters_mlx.evaluation.decoded_windows`) on
 SmolLM2-135M-Instruct, written into a copy of the shipped filters file.
 
 Search text: tokens 4,096 to 6,271 of the calibration text (128-token prefix, 2,048 scored), after
@@ -31,7 +31,7 @@ from mlx_lm import load
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import calibration_text
 from qfilters_mlx.filters.calibration import load_filters, save_filters
-from qfilters_mlx.filters.decoded_windows import (DECODED_FRACTIONS, DECODED_PREFIX, decoded_summary,
+from qfilters_mlx.evaluation.decoded_windows import (DECODED_FRACTIONS, DECODED_PREFIX, decoded_summary,
                                                   search_windows)
 from qfilters_mlx.filters.windows import window_tensors
 

@@ -20,7 +20,7 @@ def test_decoded_windows_are_the_search_s_and_load(folder, tmp_path, capsys):
 
     from qfilters_mlx.commands.cli import main
     from qfilters_mlx.filters.calibration import load_filters
-    from qfilters_mlx.filters.decoded_windows import search_windows
+    from qfilters_mlx.evaluation.decoded_windows import search_windows
     from qfilters_mlx.filters.windows import RULES, load_windows
 
     text = tmp_path / "text.txt"
@@ -47,7 +47,7 @@ def test_decoded_windows_are_the_search_s_and_load(folder, tmp_path, capsys):
 
 
 def test_decoded_windows_refuse_a_text_too_short_before_searching(folder, tmp_path, capsys, monkeypatch):
-    import qfilters_mlx.filters.decoded_windows as dw
+    import qfilters_mlx.evaluation.decoded_windows as dw
     from qfilters_mlx.commands.cli import main
 
     searched = []

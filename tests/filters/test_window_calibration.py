@@ -55,7 +55,7 @@ def test_output_rule_needs_values_and_rules_are_named():
         calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,))
     with pytest.raises(ValueError, match=r"^rule must be one of \['output', 'mass'\], got 'loss'$"):
         calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="loss")
-    with pytest.raises(ValueError, match=r"got 'decoded' \(the decoded rule is filters.decoded_windows.search_windows\)$"):
+    with pytest.raises(ValueError, match=r"got 'decoded' \(the decoded rule is evaluation.decoded_windows.search_windows\)$"):
         calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="decoded")
     assert set(RULES) == {*MEASURED_RULES, "decoded"}  # every rule a file may name
     windows, summary = calibrate_windows([[(k, q.reshape(2, 300, 8))]], f, n_sink=2, budgets=(32,), rule="mass")

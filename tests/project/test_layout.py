@@ -9,6 +9,9 @@
   (``from m import _name``) nor reached as an attribute of an imported module
   (``m._name``); dunder names are public, and ``qfilters_mlx._ext``, the compiled
   extension, is allowed;
+* no import cycle between the package's folders either (a module of a subpackage belongs to its
+  first-level folder, ``qfilters_mlx.cache.batch`` to ``cache``; a top-level module is a folder
+  of its own), and a folder imports only the folders below it in :data:`LAYERS`;
 * no module over 350 lines unless its docstring says why ("Longer than 350 lines because ...").
 
 The checks are pure functions of a source tree, so each one is also run on a small
@@ -27,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[2] / "python" / PACKAGE
 MAX_LINES = 350
 LONG_REASON = "Longer than 350 lines because"
 ALLOWED_PRIVATE = {f"{PACKAGE}._ext"}
+LAYERS = ({"assets", "backends"}, {"scorers"}, {"config"}, {"filters"}, {"cache"}, {"evaluation"},
+          {"commands"})
+"""The subpackages, lowest first: each imports only those of earlier sets (and the top-level
+modules, which import no subpackage at module level but ``prompt_cache_hook``'s strings)."""
 
 # Violations in files other helpers are changing at the same time; the test
 # xfails while every violation it finds is one of these, and fails on any other.
@@ -82,6 +89,44 @@ def import_graph(tree: dict) -> dict[str, set[str]]:
         if dst in tree and dst != src:
             graph[src].add(dst)
     return graph
+
+
+def folder_of(module: str, tree: dict) -> str:
+    """``module``'s folder: its first-level subpackage's name, else the module's own name
+    (a top-level module, or the package itself)."""
+    parts = module.split(".")
+    sub = ".".join(parts[:2])
+    if len(parts) > 2 or (len(parts) == 2 and tree[sub][0].name == "__init__.py"):
+        return parts[1]
+    return module
+
+
+def folder_graph(tree: dict) -> dict[str, dict[str, list[str]]]:
+    """``{folder: {imported folder: ["module:line", ...]}}``. ``from pkg import mod`` counts
+    as an import of ``mod`` alone (not of ``pkg/__init__``), and the compiled extension as none."""
+    graph = {folder_of(m, tree): {} for m in tree}
+    for src, dst, name, line in imports(tree):
+        full = f"{dst}.{name}"
+        if dst not in tree or full in ALLOWED_PRIVATE or (name and full in tree):
+            continue
+        a, b = folder_of(src, tree), folder_of(dst, tree)
+        if a != b:
+            graph[a].setdefault(b, []).append(f"{src}:{line}")
+    return graph
+
+
+def upward_imports(graph: dict, layers=LAYERS) -> list[str]:
+    """``"a -> b (module:line)"`` for each import of a subpackage ``a`` of a folder ``b`` that is
+    not below it: a subpackage of the same or a later set of ``layers``, or one not in them."""
+    rank = {name: i for i, names in enumerate(layers) for name in names}
+    out = []
+    for a, targets in sorted(graph.items()):
+        if a.startswith(PACKAGE):  # a top-level module or the package: checked for cycles only
+            continue
+        for b, where in sorted(targets.items()):
+            if a not in rank or (not b.startswith(PACKAGE) and rank.get(b, len(layers)) >= rank[a]):
+                out.append(f"{a} -> {b} ({where[0]})")
+    return out
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -201,6 +246,20 @@ def test_no_import_cycle(tree):
     _check(found, "import cycles")
 
 
+def test_no_import_cycle_between_folders(tree):
+    graph = folder_graph(tree)
+    found = cycles({a: set(b) for a, b in graph.items()})
+    assert not found, "import cycles between folders:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_folders_import_only_folders_below(tree):
+    graph = folder_graph(tree)
+    assert {"config", "filters", "cache", "evaluation", "commands"} <= set(graph)
+    assert "config" in graph["cache"] and "cache" in graph["evaluation"]
+    found = upward_imports(graph)
+    assert not found, "imports of a folder that is not below:\n" + "\n".join(found)
+
+
 def test_no_private_name_crosses_modules(tree):
     found = private_uses(tree)
     _check([(_file(m, tree), f"{m}:{line} uses {name}") for m, line, name in found],
@@ -234,3 +293,33 @@ def test_checks_catch_planted_violations(tmp_path):
     assert [name for _, _, name in private_uses(t)] == [
         "qfilters_mlx.sub.b._hidden", "qfilters_mlx.sub.b._helper", "qfilters_mlx.a._y"]
     assert oversized(t) == [("qfilters_mlx.big", 351)]
+
+
+def test_folder_checks_catch_planted_violations(tmp_path):
+    pkg = tmp_path / PACKAGE
+    for sub in ("config", "filters", "cache"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    files = {
+        "__init__.py": "",
+        "top.py": "",
+        "config/method.py": "from qfilters_mlx import top\nfrom qfilters_mlx import _ext\n",
+        "config/recent.py": "def f():\n    from qfilters_mlx.filters.windows import g\n",
+        "filters/windows.py": "from qfilters_mlx.config import method\ndef g():\n    pass\n",
+        "cache/kv.py": "from qfilters_mlx.filters import windows\nfrom qfilters_mlx.config.method import x\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    t = load_tree(pkg)
+    assert cycles(import_graph(t)) == []  # no cycle between modules ...
+    graph = folder_graph(t)  # ... but config <-> filters between folders
+    assert graph["config"] == {"qfilters_mlx.top": ["qfilters_mlx.config.method:1"],
+                               "filters": ["qfilters_mlx.config.recent:2"]}
+    assert cycles({a: set(b) for a, b in graph.items()}) == [["config", "filters"]]
+    assert upward_imports(graph) == ["config -> filters (qfilters_mlx.config.recent:2)"]
+    (pkg / "config/recent.py").write_text("")
+    graph = folder_graph(load_tree(pkg))
+    assert cycles({a: set(b) for a, b in graph.items()}) == [] and upward_imports(graph) == []
+    assert upward_imports({"cache": {"evaluation": ["m:1"]}, "evaluation": {}}) == [
+        "cache -> evaluation (m:1)"]
+    assert upward_imports({"extra": {"config": ["m:1"]}}) == ["extra -> config (m:1)"]

@@ -138,11 +138,11 @@ def _measured_windows(parser, args, model, ids, filters, budgets: tuple):
 
 def _decoded_windows(parser, args, model, ids, filters, budgets: tuple):
     """Windows by the decoded loss (``--window-rule decoded``:
-    :func:`~qfilters_mlx.filters.decoded_windows.search_windows` on ``ids``), as
+    :func:`~qfilters_mlx.evaluation.decoded_windows.search_windows` on ``ids``), as
     :func:`~qfilters_mlx.filters.windows.window_tensors` stores them; progress on stderr."""
     import numpy as np
 
-    from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, decoded_summary, min_tokens, search_windows
+    from qfilters_mlx.evaluation.decoded_windows import DECODED_PREFIX, decoded_summary, min_tokens, search_windows
     from qfilters_mlx.filters.windows import window_tensors
 
     unfit = [b for b in budgets if len(ids) < min_tokens(b)]
@@ -197,7 +197,7 @@ def _calibrate(parser, args, text, source, model_path, world, budgets: tuple) ->
     if budgets and not args.window_budgets_given:
         # Default budgets the calibration text is too short to simulate are dropped, said.
         if args.window_rule == "decoded":
-            from qfilters_mlx.filters.decoded_windows import DECODED_PREFIX, min_tokens
+            from qfilters_mlx.evaluation.decoded_windows import DECODED_PREFIX, min_tokens
 
             need, what = min_tokens, f"max({DECODED_PREFIX}, budget + 1) + 2"
         else:

@@ -63,7 +63,7 @@ def resolve_recent(recent, budget: int, n_sink: int, method: str, filters):
         if not isinstance(filters, str):
             raise ValueError("qfilters_recent='calibrated' reads the per-head windows of a filters "
                              "file: set qfilters_filters to the path written by `qfilters-mlx calibrate`")
-        from qfilters_mlx.filters.windows import load_windows
+        from qfilters_mlx.stored_windows import load_windows
 
         recent = load_windows(filters, budget, n_sink)
     if isinstance(recent, numbers.Integral) and not isinstance(recent, bool):

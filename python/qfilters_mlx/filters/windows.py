@@ -19,17 +19,18 @@ numpy on a CPU.
 File format: the filters file (:mod:`qfilters_mlx.filters.calibration`) gains the
 tensor ``"recent_windows"`` ``[n_budgets, n_layers, n_kv_heads]`` int32 and metadata
 ``recent_budgets`` (JSON list), ``recent_n_sink``, ``recent_rule``; files without it
-still load (``load_windows`` then raises, naming the cause).
+still load (:func:`~qfilters_mlx.stored_windows.load_windows`, which reads the windows back,
+then raises, naming the cause).
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 
 from qfilters_mlx.filters.window_measures import measure_windows, sample_times
+from qfilters_mlx.stored_windows import load_windows  # noqa: F401 (read back here too)
 
 WINDOW_BUDGETS = (64, 128, 256, 512)
 WINDOW_FRACTIONS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
@@ -42,12 +43,12 @@ RULES = {
             "ties to the larger r",
     "decoded": "greedy bottom-up search over groups of layers of the window (all KV heads of the group) "
                "with the least mean teacher-forced NLL of calibration text under simulated streaming "
-               "eviction (qfilters_mlx.filters.decoded_windows); ties keep the start window",
+               "eviction (qfilters_mlx.evaluation.decoded_windows); ties keep the start window",
 }
 """The selection rules, as stored in a filters file's ``recent_rule`` metadata."""
 MEASURED_RULES = ("output", "mass")
 """The rules :func:`calibrate_windows` applies (``"decoded"`` is
-:func:`qfilters_mlx.filters.decoded_windows.search_windows`)."""
+:func:`qfilters_mlx.evaluation.decoded_windows.search_windows`)."""
 
 
 def window_grid(budget: int, n_sink: int, fractions=WINDOW_FRACTIONS) -> list[int]:
@@ -87,7 +88,7 @@ def calibrate_windows(layer_data, filters, n_sink: int = 4, budgets=WINDOW_BUDGE
     """
     if rule not in MEASURED_RULES:
         raise ValueError(f"rule must be one of {list(MEASURED_RULES)}, got {rule!r}"
-                         + (" (the decoded rule is filters.decoded_windows.search_windows)" if rule == "decoded"
+                         + (" (the decoded rule is evaluation.decoded_windows.search_windows)" if rule == "decoded"
                             else ""))
     f = np.asarray(filters, np.float64)
     L, H, _ = f.shape
@@ -138,31 +139,3 @@ def window_tensors(windows: np.ndarray, budgets, n_sink: int, summary: dict | No
     if summary is not None:
         meta["recent_summary"] = json.dumps({str(k): v for k, v in summary.items()})
     return {"recent_windows": np.asarray(windows, np.int32)}, meta
-
-
-def load_windows(path: str, budget: int, n_sink: int) -> tuple:
-    """The ``[n_layers, n_kv_heads]`` windows stored in ``path`` for ``budget`` and
-    ``n_sink``, as nested tuples of ints.
-
-    Raises:
-        ValueError: no such file, not a filters file, a file without windows (written before
-            they existed: rerun ``qfilters-mlx calibrate``), or none for this budget / n_sink
-            (names what it has).
-    """
-    if not os.path.isfile(path):
-        raise ValueError(f"qfilters_filters: no such file: {path!r}")
-    import mlx.core as mx
-
-    arrays, meta = mx.load(path, return_metadata=True)
-    if "filters" not in arrays:
-        raise ValueError(f"{path} is not a qfilters-mlx filters file")
-    if "recent_windows" not in arrays or "recent_budgets" not in meta:
-        raise ValueError(f"{path} holds no per-head recent windows (written before they existed): "
-                         "rerun `qfilters-mlx calibrate`, or pass an int qfilters_recent")
-    budgets = json.loads(meta["recent_budgets"])
-    stored_sink = int(meta.get("recent_n_sink", -1))
-    if budget not in budgets or stored_sink != n_sink:
-        raise ValueError(f"{path} has per-head windows for budgets {budgets} with n_sink {stored_sink}, "
-                         f"not budget {budget} with n_sink {n_sink}")
-    w = np.array(arrays["recent_windows"].astype(mx.int32))[budgets.index(budget)]
-    return tuple(tuple(int(v) for v in row) for row in w)

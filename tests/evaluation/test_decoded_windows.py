@@ -9,7 +9,7 @@ import pytest
 from helpers.query_models import tiny_llama
 from qfilters_mlx.config import KVCacheConfig, default_recent
 from qfilters_mlx.evaluation.simulate import MaskedArm, simulated_nll
-from qfilters_mlx.filters.decoded_windows import candidate_windows, min_tokens, search_windows
+from qfilters_mlx.evaluation.decoded_windows import candidate_windows, min_tokens, search_windows
 
 HD = 16  # tiny_llama: hidden 144 / 9 query heads, 3 KV heads
 

@@ -1,6 +1,6 @@
 """Recent windows chosen by the decoded loss itself (``qfilters-mlx calibrate --window-rule decoded``).
 
-The per-head rules of :mod:`.windows` score each window by a measure taken on full-cache
+The per-head rules of :mod:`qfilters_mlx.filters.windows` score each window by a measure taken on full-cache
 states (attention-output error, captured mass) and do not see errors compounding through
 the layers while decoding. This rule scores a window by what it does to the model: the
 teacher-forced NLL of calibration text with streaming eviction simulated in one forward pass
