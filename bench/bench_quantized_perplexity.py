@@ -1,6 +1,6 @@
 """Eviction and quantized storage together: streaming perplexity and KV bytes.
 
-The protocol of ``qfilters-mlx eval`` (README "Evaluation"): SmolLM2-135M-Instruct float32,
+The protocol of ``qfilters-mlx eval`` (docs/evaluation.md): SmolLM2-135M-Instruct float32,
 the first ``prefix + scored`` tokens of CPython's reference documentation (default 128 +
 2,048; the committed run: 1,024 + 512, to fit the shared machine), the prefix prefilled in
 one call, then every token predicted token by token through the evicted cache. Arms: the
@@ -134,7 +134,7 @@ def markdown(res: dict) -> str:
     lines = ["# Eviction + quantized K/V storage (SmolLM2-135M-Instruct, float32)", "",
              f"Streaming perplexity over {res['settings']['scored']} tokens after a "
              f"{res['settings']['prefix']}-token prefix prefilled in one call (`qfilters-mlx eval`'s protocol, "
-             "README \"Evaluation\", which scores 2,048 tokens after 128, shortened to fit a shared "
+             "docs/evaluation.md, which scores 2,048 tokens after 128, shortened to fit a shared "
              "2-core machine: every scored token is predicted from an evicted cache at every budget); "
              "token by token through the cache, the first tokens of CPython's reference documentation; "
              "arms of one kv_bits in one batch; group size 64. "

@@ -1,9 +1,9 @@
 """Model identity for filters files: what defines the model, not how mlx-lm parsed its config.
 
-0.1 hashed ``vars(model.args)``, which changes with the installed mlx-lm's
+Not ``vars(model.args)``, which changes with the installed mlx-lm's
 ``ModelArgs`` (fields added, defaults filled in) although the model is the
-same, so a file calibrated on one install was refused on another. The
-identity now comes from the model's parameters:
+same, so that a file calibrated on one install is accepted on another. The
+identity comes from the model's parameters:
 
 * ``model_type``: the architecture name (``model.model_type``, else the
   ``model_type`` of ``model.args`` / ``model.config``);

@@ -543,7 +543,7 @@ def test_constructor_rejects_each_bad_filters_naming_the_argument():
 
 def test_default_layer_is_layer_zero_for_the_random_arm():
     """Built without ``layer_idx`` a cache is layer 0: the random arm scores with the hash of
-    (seed, layer 0, head, position) (README's random arm; numpy hash of test_properties)."""
+    (seed, layer 0, head, position) (docs/configuration.md, "Eviction methods": the random arm; numpy hash of test_properties)."""
     T, seed = 40, 9
     k, v, _ = int_data(T, seed=1)
     cfg = KVCacheConfig(method="random", qfilters_budget=10, qfilters_n_sink=1, qfilters_recent=2,

@@ -412,9 +412,8 @@ def test_speculative_with_the_query_filter_and_eviction_caches_on_the_draft(seed
 
 # ------------------------------------------------------------------------------------------------
 # The rewind journal (``cache/journal.py``) pinned exactly: its reach, its bytes, and rewinds
-# across every kind of record (behaviour the mutation check of ``cache/journal.py``,
-# ``cache/rewind.py`` and ``cache/slots.py`` needs pinned: ``tools/mutation.py``,
-# bench/results/mutation.md).
+# across every kind of record (behaviour the mutation check of ``cache/journal.py`` and
+# ``cache/kv_cache.py`` needs pinned: ``tools/mutation.py``, bench/results/mutation.md).
 #
 # * reach (journal.py / ``rewindable_tokens``): the journal keeps the records of the newest
 #   calls covering at least ``qfilters_max_rewind`` tokens (one record per call, a decode step
@@ -424,7 +423,7 @@ def test_speculative_with_the_query_filter_and_eviction_caches_on_the_draft(seed
 # * bytes (``journal_nbytes``, formula of journal.py and accounting.py): per decode step
 #   ``B H (4 + (D_k + D_v) itemsize + 12)``, the step entering slot mode ``12 B H capacity``,
 #   per call the rows its eviction dropped, plus the free slot's rows;
-# * rewinds (README "Speculative decoding"): whole calls, decode steps, the tail of a call,
+# * rewinds (docs/mlx-lm.md, "Speculative decoding"): whole calls, decode steps, the tail of a call,
 #   across ``kept_positions()`` (which leaves slot mode), from a cache reloaded in slot mode:
 #   bit-identical to a cache that never saw the removed tokens, and both continue alike;
 # * ``dropped_rows``: the rows not kept, ascending, also past float32's exact integers.
@@ -670,13 +669,13 @@ def test_queries_that_do_not_fit_change_nothing_not_even_the_journal():
 
 # ------------------------------------------------------------------------------------------------
 # Copies and rewinds pinned against an uninterrupted run (behaviour the mutation check of
-# ``cache/persistence.py`` and ``cache/rewind.py`` needs pinned: ``tools/mutation.py``,
+# ``cache/persistence.py`` and ``cache/kv_cache.py`` needs pinned: ``tools/mutation.py``,
 # bench/results/mutation.md).
 #
 # * pickling / ``copy.deepcopy`` restore the kernel backend by name (also ``"metal"``,
 #   here a stand-in for a Mac's Metal backend) and leave the copy unobserved, exactly
-#   like a fresh cache (``persistence.PersistenceMixin.__setstate__``);
-# * ``trim`` (README "Speculative decoding"): trimmable after an eviction for any
+#   like a fresh cache (``QFiltersKVCache.__setstate__``);
+# * ``trim`` (docs/mlx-lm.md, "Speculative decoding"): trimmable after an eviction for any
 #   ``qfilters_max_rewind > 0`` (also 1); a plain trim back to exactly
 #   ``calib_tokens`` keeps the filter (it was estimated from exactly those keys) and one
 #   below drops it; undoing the call that calibrated unscores the rows it leaves; a

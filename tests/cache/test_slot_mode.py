@@ -1,8 +1,8 @@
 """Slot mode (single-token decode after an eviction), its window masks and its rewinds,
-pinned exactly (behaviour the mutation check of ``cache/slots.py`` and ``cache/kv_cache.py``
+pinned exactly (behaviour the mutation check of ``cache/kv_cache.py``
 needs pinned: ``tools/mutation.py``, bench/results/mutation.md).
 
-* README (Known limitations): ``window_size`` masks are supported before eviction and for
+* docs/method.md (Caveats): ``window_size`` masks are supported before eviction and for
   ``streaming_llm``; after a per-head eviction they raise ``ValueError`` naming
   ``window_size``. The mask after a StreamingLLM eviction is mlx-lm's sliding-window rule
   (``create_causal_mask``: key ``k`` visible from query ``q`` iff ``q - w < k <= q``)

@@ -3,7 +3,7 @@ here: each flag must be False whenever its rule is broken, not
 only True on a good run (the integration tier then re-checks the flags of a real
 quick run from the numbers it saved, see ``tests/integration/test_eval_quick.py``).
 
-Rules (README, "Evaluation"): with budget >= length every arm's perplexity equals
+Rules (docs/evaluation.md): with budget >= length every arm's perplexity equals
 the full cache's within 1e-3 relative; the random arm rerun alone gives the same
 per-token NLLs within 1e-4 absolute (batched vs alone: a different reduction order).
 """

@@ -77,7 +77,8 @@ def np_fmix32(h):
 
 
 def np_hash_scores(positions, seed, layer):
-    """README's random arm at ``positions [..., H, T]`` (heads on axis -2): uniform [0, 1)
+    """The random arm (docs/configuration.md, "Eviction methods") at ``positions [..., H, T]``
+    (heads on axis -2): uniform [0, 1)
     from MurmurHash3 fmix32 of position * golden ratio xor fmix32(head + seed * 0x27D4EB2F
     + layer * 0x165667B1 + 1), top 24 bits / 2**24 (positions taken modulo 2**32)."""
     with np.errstate(over="ignore"):
@@ -89,5 +90,5 @@ def np_hash_scores(positions, seed, layer):
 
 
 def np_random_scores(H, T, seed, layer):
-    """README's random arm at positions 0..T-1: ``[H, T]`` float64."""
+    """The random arm at positions 0..T-1: ``[H, T]`` float64."""
     return np_hash_scores(np.broadcast_to(np.arange(T), (H, T)), seed, layer)

@@ -271,7 +271,7 @@ def test_draft_model_gives_the_tokens_of_plain_greedy(model_path, short_prompt, 
     the main model on the default query filter): with a budget above the sequence, exactly the
     greedy tokens of the same configuration without a draft (mlx-lm's contract). After an
     eviction a multi-token verify call can attend to tokens one-token decoding has evicted
-    (README, "Speculative decoding"); the exact-rewind property there is tests/cache/test_rewind.py's."""
+    (docs/mlx-lm.md, "Speculative decoding"); the exact-rewind property there is tests/cache/test_rewind.py's."""
     from qfilters_mlx.commands.cli import main
 
     common = ["generate", "--prompt-file", short_prompt, "--budget", "1024", "--max-tokens", "16",

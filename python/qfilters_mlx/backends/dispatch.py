@@ -1,7 +1,7 @@
 """One dispatch point for the eviction hot path.
 
 A *backend* provides these operations with the exact semantics of
-:mod:`qfilters_mlx.reference` (same tie-break, same dtypes):
+:mod:`qfilters_mlx.backends.reference` (same tie-break, same dtypes):
 
 * ``projection_scores(keys [B,H,T,D], filters [H,D] f32, sign) -> [B,H,T] f32``
 * ``select_compact(scores [B,H,T] f32, keys, values, budget, n_sink, recent)
@@ -9,7 +9,7 @@ A *backend* provides these operations with the exact semantics of
   ``K = min(budget, T)``.
 * ``decode_select(scores, positions, new_scores, free, position, n_sink, recent)
   -> (scores, positions, victim)``: the bookkeeping of one decode step of the
-  slot cache (see :func:`qfilters_mlx.reference.decode_select`), and
+  slot cache (see :func:`qfilters_mlx.backends.reference.decode_select`), and
   ``write_slot(buf, rows, free)``: the new K/V row into the free slot; each one
   primitive in the cpp backend (write_slot reuses the buffer in place), the
   reference elsewhere.

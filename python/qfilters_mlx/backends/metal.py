@@ -310,7 +310,7 @@ def _metallib_ops() -> tuple[Callable, Callable] | None:
 
 
 def metal_backend(path: str = "auto"):
-    """The ``metal`` backend (a :class:`qfilters_mlx.kernels.Backend`).
+    """The ``metal`` backend (a :class:`qfilters_mlx.backends.base.Backend`).
 
     Args:
         path: ``"auto"`` (metallib if installed, else JIT), ``"metallib"`` or

@@ -297,7 +297,7 @@ class KVCacheBuilder:
         ``observe_queries`` can wrap them, so the opt-in online configurations that need
         observed queries (``qfilters_filter_source="queries"``, ``sign="auto"``) are
         refused here; the default needs none. For ``mlx_lm.server``'s prompt-cache reuse see
-        README ("mlx-lm's server prompt cache": ``max_rewind``).
+        docs/mlx-lm.md ("mlx-lm's server prompt cache": ``max_rewind``).
 
         Raises:
             TypeError, ValueError: what :meth:`for_model` raises, or ``config.needs_queries``.

@@ -156,8 +156,8 @@ def add_cache_args(group) -> None:
                             f"stored in the --filters file for this budget (`qfilters-mlx "
                             f"calibrate`). Default: budget * "
                             f"{DEFAULT_RECENT_FRACTION:g} (at most budget - n_sink - 1), the "
-                            f"library's default too, chosen from measurements (README, "
-                            f"'Evaluation': on SmolLM2 recent budget/2 beat budget/4 and 0 for "
+                            f"library's default too, chosen from measurements (docs/"
+                            f"evaluation.md: on SmolLM2 recent budget/2 beat budget/4 and 0 for "
                             f"every score). Not used by streaming_llm and full")
     group.add_argument("--calib-tokens", type=int, default=None,
                        help=f"tokens the online filters (--filter-source queries or keys) are "
@@ -173,7 +173,7 @@ def add_cache_args(group) -> None:
     group.add_argument("--sign", type=parse_sign, default=None, metavar="{+1,-1,auto}",
                        help=f"sign of the online filters' score; 'auto' picks it per KV head from "
                             f"the first queries. Default: +1 with --filter-source queries, "
-                            f"{DEFAULT_KEY_SIGN:+d} with keys (measured on SmolLM2, see README: "
+                            f"{DEFAULT_KEY_SIGN:+d} with keys (measured on SmolLM2, see docs/configuration.md: "
                             f"the key-SVD direction points against the queries in most KV "
                             f"heads, and -1 ranked tokens by received attention better than +1 "
                             f"and than 'auto')")

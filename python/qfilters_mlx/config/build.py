@@ -18,7 +18,7 @@ DEFAULT_MAX_REWIND = AUTO
 the cache's first eviction (its speculative decoding asks before the prompt, ``trim_prompt_cache``
 before each trim); the cache then journals its last :data:`AUTO_REWIND` tokens and answers
 True. Asked after an eviction it had no journal for, it answers False (mlx-lm then refuses
-speculative decoding up front). docs/configuration.md, "Rewinding"."""
+speculative decoding up front). docs/mlx-lm.md, "Where it works in mlx-lm" (speculative decoding)."""
 AUTO_REWIND = 16
 """The rewind depth ``max_rewind="auto"`` turns on: above the draft lengths mlx-lm uses
 (``--num-draft-tokens`` 3 in ``mlx_lm.generate``, 2 in ``speculative_generate_step``); a deeper

@@ -12,7 +12,7 @@ per sequence. The window with the least error wins; equal errors go to the large
 window (the StreamingLLM side). Why this measure: it is what the next layer receives.
 The first rule, the most captured attention mass (``rule="mass"``), was tried first
 and kept for comparison: it preferred filter-heavy windows that lost to StreamingLLM
-in perplexity (README, "Evaluation"). Both need no forward pass per candidate window
+in perplexity (docs/evaluation.md, "Per-head recent windows"). Both need no forward pass per candidate window
 (every window and budget is scored from one pass), so the search costs a minute of
 numpy on a CPU.
 
