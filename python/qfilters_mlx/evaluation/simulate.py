@@ -44,12 +44,17 @@ class MaskedArm:
         config: a streaming-mode :class:`~qfilters_mlx.config.KVCacheConfig` (its budget,
             ``n_sink`` and :meth:`~qfilters_mlx.config.KVCacheConfig.layer_recent`).
         score: ``score(layer, keys [1, H_kv, T, D] post-RoPE) -> [1, H_kv, T]`` float32, each
-            key's score at insertion (higher is kept); ``None``: the config's own method
+            key's score at insertion (higher is kept), ``score(layer, keys, values)`` with
+            ``with_values``; ``None``: the config's own method
             (:func:`~qfilters_mlx.cache.kv_cache.insertion_scores`, with ``filters[layer]``).
         filters: ``[n_layers, H_kv, D]`` for ``method="qfilters"`` with ``score=None``.
         budgets: one budget per layer (tokens kept per KV head; each ``> n_sink`` and at least
-            ``n_sink`` plus that layer's windows), or ``None``: the config's budget everywhere.
-            Budgets per layer are a simulation only: a cache takes its config's one budget.
+            ``n_sink`` plus that layer's windows), or per layer a tuple of one budget per KV
+            head, or ``None``: the config's budget everywhere. Budgets per layer or head are a
+            simulation only: a cache takes its config's one budget.
+        recents: per layer, a tuple of one recent window per KV head in place of the config's,
+            or ``None``.
+        with_values: ``score`` also takes the layer's values ``[1, H_kv, T, D_v]``.
 
     Raises:
         ValueError: a compress-once config, ``method="full"`` (nothing to simulate),
@@ -61,6 +66,8 @@ class MaskedArm:
     score: Callable | None = None
     filters: object = None
     budgets: tuple | None = None
+    recents: tuple | None = None
+    with_values: bool = False
 
     def __post_init__(self):
         c = self.config
@@ -73,21 +80,22 @@ class MaskedArm:
                              "online filters are not covered)")
         if self.budgets is not None and not all(
                 isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > c.qfilters_n_sink
-                for b in self.budgets):
+                for layer in self.budgets for b in (layer if isinstance(layer, tuple) else (layer,))):
             raise ValueError(f"budgets: one int > n_sink ({c.qfilters_n_sink}) per layer, got {self.budgets}")
 
-    def budget(self, layer: int) -> int:
-        """Tokens kept per KV head at ``layer``."""
+    def budget(self, layer: int):
+        """Tokens kept per KV head at ``layer``: an int, or a tuple of one per KV head."""
         if self.budgets is None:
             return int(self.config.qfilters_budget)
         if not 0 <= layer < len(self.budgets):
             raise ValueError(f"budgets has {len(self.budgets)} layers; layer {layer} has none")
-        return int(self.budgets[layer])
+        b = self.budgets[layer]
+        return tuple(int(x) for x in b) if isinstance(b, tuple) else int(b)
 
-    def scores(self, layer: int, keys: mx.array) -> mx.array:
-        """``[1, H_kv, T]`` float32 insertion scores of ``keys`` at ``layer``."""
+    def scores(self, layer: int, keys: mx.array, values: mx.array | None = None) -> mx.array:
+        """``[1, H_kv, T]`` float32 insertion scores of ``keys`` (and ``values``) at ``layer``."""
         if self.score is not None:
-            return self.score(layer, keys)
+            return self.score(layer, keys, values) if self.with_values else self.score(layer, keys)
         from qfilters_mlx.cache.kv_cache import insertion_scores
 
         c = self.config
@@ -98,7 +106,7 @@ class MaskedArm:
 
     def windows(self, layer: int, heads: int) -> list[int]:
         """The recent window of each of the ``heads`` KV heads of ``layer``."""
-        r = self.config.layer_recent(layer)
+        r = self.config.layer_recent(layer) if self.recents is None else self.recents[layer]
         return [int(r)] * heads if isinstance(r, int) else [int(x) for x in r]
 
 
@@ -110,7 +118,8 @@ def keep_masks(scores: np.ndarray, budget: int, n_sink: int, recent, prefix: int
 
     Args:
         scores: ``[H, T]`` insertion scores (NaN ranks lowest).
-        budget, n_sink: tokens kept per head, leading positions never evicted.
+        budget: tokens kept per head (an int, or ``H`` ints).
+        n_sink: leading positions never evicted.
         recent: ``H`` ints, trailing positions never evicted per head.
         prefix: tokens of the first call (``>= 1``).
 
@@ -118,7 +127,9 @@ def keep_masks(scores: np.ndarray, budget: int, n_sink: int, recent, prefix: int
         ValueError: not ``H`` windows, ``n_sink + recent[h] > budget``, or ``prefix < 1``.
     """
     H, T = scores.shape
-    if len(recent) != H or prefix < 1 or any(n_sink + int(r) > budget or int(r) < 0 for r in recent):
+    budgets = [int(budget)] * H if isinstance(budget, (int, np.integer)) else [int(b) for b in budget]
+    if len(recent) != H or len(budgets) != H or prefix < 1 or any(
+            n_sink + int(r) > b or int(r) < 0 for r, b in zip(recent, budgets)):
         raise ValueError(f"keep_masks: need {H} windows in [0, budget - n_sink] and prefix >= 1 "
                          f"(budget {budget}, n_sink {n_sink}, recent {list(recent)}, prefix {prefix})")
     s = np.where(np.isnan(scores), -np.inf, scores)
@@ -127,7 +138,7 @@ def keep_masks(scores: np.ndarray, budget: int, n_sink: int, recent, prefix: int
     out = np.zeros((H, T, T), dtype=bool)
     for h in range(H):
         window = int(recent[h])
-        keep_top = budget - n_sink - window
+        keep_top = budgets[h] - n_sink - window
         evicted_after = np.full(T, T)  # key j is visible to queries t <= evicted_after[j]
         heap: list = []
         nxt = n_sink
@@ -157,7 +168,7 @@ class _OnePass:
             raise RuntimeError("simulated_nll: a layer was called twice in one pass")
         H = keys.shape[1]
         c = self.arm.config
-        scores = np.array(self.arm.scores(self.layer, keys).astype(mx.float32))[0]
+        scores = np.array(self.arm.scores(self.layer, keys, values).astype(mx.float32))[0]
         m = keep_masks(scores, self.arm.budget(self.layer), c.qfilters_n_sink, self.arm.windows(self.layer, H),
                        self.prefix)
         self.mask = mx.array(m)[None]  # [1, H_kv, T, T]
@@ -205,11 +216,11 @@ def _check_fits(arm: MaskedArm, n_layers: int) -> None:
         raise ValueError(f"budgets has {len(arm.budgets)} layers, the model {n_layers}")
     n_sink = arm.config.qfilters_n_sink
     for i in range(n_layers):
-        r = arm.config.layer_recent(i)
-        widest = int(r) if isinstance(r, int) else max(int(x) for x in r)
-        if n_sink + widest > arm.budget(i):
-            raise ValueError(f"layer {i}: n_sink {n_sink} + recent window {widest} exceed its budget "
-                             f"{arm.budget(i)}")
+        b = arm.budget(i)
+        r = arm.windows(i, len(b) if isinstance(b, tuple) else 1)
+        for w, x in zip(r, b if isinstance(b, tuple) else [b] * len(r)):
+            if n_sink + w > x:
+                raise ValueError(f"layer {i}: n_sink {n_sink} + recent window {w} exceed its budget {x}")
 
 
 class _Replay:

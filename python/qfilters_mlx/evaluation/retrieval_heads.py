@@ -1,0 +1,103 @@
+"""Retrieval heads with their own budgets, for the simulator: which KV heads attend far back
+(measured once per model on calibration sequences), and budgets per head at the same total bytes
+as one budget everywhere.
+
+Two measures per layer and KV head, from full-cache teacher-forced passes:
+
+* :func:`needle_attention`: on a pass-key prompt, the attention the queries that predict the
+  answer's key tokens give the key's tokens in the prompt (the copy a retrieval head does);
+* :func:`far_mass`: on plain text, the attention each query gives keys beyond its recent window,
+  sinks left out (:func:`.oracle.attention_received`).
+
+:func:`split_budgets` then gives the top heads ``big`` tokens (sinks and a recent window of
+``big - n_sink``) and every other head ``small`` (sinks and ``small - n_sink`` recent), with
+the tokens left over spread one by one over the small heads, so that the budgets sum to
+``n_layers * n_kv_heads * budget``: the bytes a cache storing each head at its own size holds.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from qfilters_mlx.evaluation.attention_route import refuse_own_mask, route_attention
+from qfilters_mlx.evaluation.oracle import attention_received
+
+__all__ = ["far_mass", "needle_attention", "split_budgets"]
+
+
+class _Rows:
+    """Stand-in for one layer's cache in a full-cache pass; the routed attention records the
+    weights of the query rows ``rows`` on the key columns ``cols`` (summed, per KV head)."""
+
+    def __init__(self, layer: int, rows: list, cols: list):
+        self.layer, self.rows, self.cols = layer, rows, cols
+        self.offset = 0
+        self.mass = None
+
+    def update_and_fetch(self, keys, values):
+        self.offset = keys.shape[2]
+        return keys, values
+
+
+def _rows_sdpa(queries, keys, values, cache, scale, mask, sinks):
+    refuse_own_mask(cache.layer, mask)
+    _, H_q, T, _ = queries.shape
+    H = keys.shape[1]
+    q = queries[0].astype(mx.float32)[:, mx.array(cache.rows)]  # [H_q, R, D]
+    logits = (q * scale) @ mx.repeat(keys[0].astype(mx.float32), H_q // H, axis=0).swapaxes(-1, -2)
+    causal = mx.arange(T)[None, :] <= mx.array(cache.rows)[:, None]  # [R, T]
+    probs = mx.softmax(mx.where(causal, logits, -mx.inf), axis=-1, precise=True)
+    per_q = probs[:, :, mx.array(cache.cols)].sum(axis=(1, 2))  # [H_q]
+    cache.mass = np.array(per_q.reshape(H, H_q // H).mean(axis=1)) / len(cache.rows)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal", sinks=sinks)
+
+
+def needle_attention(model, prompt) -> np.ndarray:
+    """``[n_layers, H_kv]``: the attention weight the queries predicting ``prompt``'s answer key
+    tokens (a :class:`~qfilters_mlx.evaluation.recall.NeedlePrompt`) give the key's tokens in the
+    prompt, per query (mean over those queries and the query heads of each KV head)."""
+    n = len(prompt.key_positions)
+    rows = [p - 1 for p in prompt.key_positions]
+    cols = list(range(prompt.needle_position, prompt.needle_position + n))
+    caches = [_Rows(i, rows, cols) for i in range(len(model.layers))]
+    with route_attention(_Rows, _rows_sdpa):
+        mx.eval(model(mx.array(prompt.tokens[:-1])[None], cache=caches))
+    if any(c.mass is None for c in caches):
+        raise RuntimeError("needle_attention: some layer's attention did not go through the routed path")
+    return np.stack([c.mass for c in caches])
+
+
+def far_mass(model, tokens, window: int, n_sink: int) -> np.ndarray:
+    """``[n_layers, H_kv]``: the attention weight per query head and query that falls on keys
+    beyond ``window`` tokens back, the first ``n_sink`` left out (:func:`attention_received`)."""
+    (per_layer,) = attention_received(model, list(tokens), [int(window)])
+    H_q = model.args.num_attention_heads
+    return np.stack([r[:, n_sink:].sum(axis=1) / (H_q // r.shape[0]) / len(tokens) for r in per_layer])
+
+
+def split_budgets(ranking: np.ndarray, budget: int, big: int, small: int, n_sink: int) -> tuple:
+    """``(budgets, recents, heads)``: per layer, a tuple of one budget and one recent window per
+    KV head, and the ``(layer, head)`` pairs given ``big``, the most heads ``ranking`` ranks
+    highest that fit in ``n_layers * n_kv_heads * budget`` tokens with every other head at
+    ``small`` or a token more (module docstring).
+
+    Raises:
+        ValueError: not ``n_sink < small <= budget < big``.
+    """
+    if not n_sink < small <= budget < big:
+        raise ValueError(f"need n_sink < small <= budget < big, got {n_sink}, {small}, {budget}, {big}")
+    L, H = ranking.shape
+    total = L * H * budget
+    k = (total - L * H * small) // (big - small)
+    order = [divmod(int(i), H) for i in np.argsort(-ranking, axis=None, kind="stable")]
+    top = set(order[:k])
+    b = np.full((L, H), small)
+    for lh in top:
+        b[lh] = big
+    rest = [lh for lh in order if lh not in top]
+    for i in range(total - int(b.sum())):
+        b[rest[i % len(rest)]] += 1
+    budgets = tuple(tuple(int(x) for x in row) for row in b)
+    recents = tuple(tuple(int(x) - n_sink for x in row) for row in b)
+    return budgets, recents, sorted(top)
