@@ -1,11 +1,13 @@
-"""Online filter calibration of ``QFiltersKVCache``: pure functions the cache calls.
+"""Online filter calibration of ``QFiltersKVCache``: functions the cache calls.
 
 A cache whose filter is not given (``qfilters_filter_source="queries"`` or ``"keys"``)
 freezes it from exactly the first ``calib_tokens`` tokens it sees: a key-based filter in
 the ``update_and_fetch`` call that crosses ``calib_tokens``, a query-based one in
 ``observe_queries`` once the first ``calib_tokens`` queries have arrived
-(:mod:`qfilters_mlx.cache.kv_cache` decides when; this module computes). Estimators in
-:mod:`qfilters_mlx.backends.reference` (Godey et al. 2025, arXiv:2503.02812, Sec. 3).
+(:func:`observe_queries`, the cache's method of that name; the key-based one is decided on
+the cache's hot path). Estimators in :mod:`qfilters_mlx.backends.reference` (Godey et al.
+2025, arXiv:2503.02812, Sec. 3). :func:`observe_queries` reads and writes the cache's own
+(underscore) state, as the cache's other component modules do; the rest are pure.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from qfilters_mlx.backends import reference
+from qfilters_mlx.cache.journal import CallRecord
 
-__all__ = ["check_queries", "estimate_filter", "first_queries"]
+__all__ = ["check_queries", "checked_filters", "estimate_filter", "first_queries", "observe_queries"]
 
 
 def estimate_filter(config, keys: mx.array, queries: mx.array | None) -> mx.array:
@@ -67,3 +70,63 @@ def first_queries(kept: mx.array | None, queries: mx.array, calib_tokens: int, o
         return kept
     new = queries[:, :, :need]
     return new if kept is None else mx.concatenate([kept, new], axis=2)
+
+
+def checked_filters(config, filters):
+    """A cache constructor's ``filters`` argument checked and cast to float32: ``[H_kv, D]``
+    floating point, or ``None`` unless the config needs given filters (a scorer reading a
+    filter with ``qfilters_filter_source="calibrated"``).
+
+    Raises:
+        ValueError: not a 2-d ``mx.array``, a head dimension other than ``config.head_dim``,
+            or ``None`` where the calibrated filter is needed (names where it comes from).
+        TypeError: not floating point.
+    """
+    if filters is not None:
+        if not isinstance(filters, mx.array) or filters.ndim != 2:
+            raise ValueError("filters must be an mx.array [H_kv, D], got "
+                             f"{getattr(filters, 'shape', type(filters).__name__)}")
+        if not mx.issubdtype(filters.dtype, mx.floating):
+            raise TypeError(f"filters must be floating point, got {filters.dtype}")
+        hd = config.head_dim
+        if hd is not None and filters.shape[1] != hd:
+            raise ValueError(f"filters head_dim {filters.shape[1]} != config.head_dim {hd}")
+        return filters.astype(mx.float32)
+    if config.scorer.uses_filter and config.qfilters_filter_source == "calibrated":
+        raise ValueError(
+            "qfilters_filter_source='calibrated' (the default) scores with the model's calibrated "
+            "query filter, which KVCacheBuilder.for_model / install find or make: build the caches "
+            "with them, pass filters= ([H_kv, D]), or choose an online filter "
+            "(qfilters_filter_source='queries' inside observe_queries, or 'keys')")
+    return None
+
+
+def observe_queries(cache, queries: mx.array) -> None:
+    """Receive this call's post-RoPE queries ``[B, H_q, L, D]`` (from ``observe_queries``).
+
+    Called after ``update_and_fetch`` of the same call (attention runs after
+    the cache returns keys). Keeps the first ``calib_tokens`` queries; once
+    they are all there, freezes the filter, scores the stored tokens and
+    evicts down to the budget, exactly as a key-based cache does at the end
+    of the call that crosses ``calib_tokens``.
+
+    Raises:
+        ValueError: ``queries`` not a 4-D array, no update before it, or a shape that does
+            not fit the cache (the message names both), before anything changes.
+    """
+    if not cache.needs_queries:
+        cache._queries_pending = False
+        return
+    layout = None if cache.keys is None else cache.storage.layout(cache.keys, cache.values)
+    check_queries(queries, layout, cache.offset)
+    cache._queries_pending = False
+    record = cache._journal.last() if cache._journal.active else None
+    if isinstance(record, CallRecord) and record.offset + record.tokens == cache.offset:
+        record.observed = queries  # (re-applied on a partial rewind)
+    c = cache.config.qfilters_calib_tokens
+    cache._queries = first_queries(cache._queries, queries, c, cache.offset)
+    if cache._queries is not None and cache._queries.shape[2] >= c:
+        cache._calibrate()
+        if cache._n > cache._budget_now():
+            cache._evict()
+        mx.async_eval(cache.positions, cache.scores)

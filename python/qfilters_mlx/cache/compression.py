@@ -1,16 +1,19 @@
 """Compress once: the paper's and kvpress's way of using a KV-cache press.
 
-This module holds the rule's pure parts (:func:`keep_count`, :func:`check_target`) and
-:func:`compress_caches`; the cache's side (``compress``, ``check_compress``, the limits
-each call evicts to, the ``prompt_end`` trigger) is in ``QFiltersKVCache``
-(:mod:`qfilters_mlx.cache.kv_cache`), on its hot path.
+This module holds the rule's pure parts (:func:`keep_count`, :func:`check_target`),
+:func:`compress_caches`, and the cache's side as functions of one
+:class:`~qfilters_mlx.cache.kv_cache.QFiltersKVCache` (:func:`compress`,
+:func:`check_compress`, the ``prompt_end`` trigger :func:`before_call`,
+:func:`grown_exact`); the limits each call evicts to stay on the cache's hot path
+(``QFiltersKVCache._limits_now``). Like the cache's other component modules, these
+functions read and write the cache's own (underscore) state.
 
-In ``qfilters_mode="streaming"`` (the default) a cache evicts down to a fixed budget
-after every call, through the question and the answer. In ``"compress_once"`` mode
+In the streaming mode (``mode=Streaming()``, the default) a cache evicts down to a fixed budget
+after every call, through the question and the answer. In the compress-once mode (``mode=CompressOnce(ratio, growth, at)``)
 (Godey et al. 2025, arXiv:2503.02812, Sec. 4; kvpress's ``KVPressTextGenerationPipeline``)
 the cache keeps every token it is fed until it is *compressed once*; then each
 (batch row, KV head) holds the ``K`` tokens that compression kept, and later tokens
-(the question, the answer) are appended without eviction; with ``qfilters_growth=G``
+(the question, the answer) are appended without eviction; with ``growth=G``
 the cache evicts again (streaming rule, budget ``K + G``) once it holds more than
 ``K + G`` tokens.
 
@@ -26,7 +29,7 @@ A compression of a cache holding ``T`` tokens per (row, head) keeps
   (:func:`qfilters_mlx.backends.reference.select_keep`, the streaming selection).
 
 When is it compressed? :func:`compress_caches` (or ``cache.compress()``) at any time
-(``qfilters_compress_at="manual"``), or automatically (``"prompt_end"``, the default)
+(``at="manual"``), or automatically (``"prompt_end"``, the default)
 at the first single-token call that follows a multi-token call. mlx-lm's
 ``generate_step`` (hence ``generate``, ``stream_generate`` and ``qfilters-mlx generate``)
 prefills all prompt tokens but the last in calls of ``prefill_step_size`` tokens and
@@ -42,7 +45,10 @@ it can be trimmed exactly while nothing was evicted since (no journal needed);
 
 from __future__ import annotations
 
-__all__ = ["check_target", "compress_caches", "keep_count"]
+import mlx.core as mx
+
+__all__ = ["before_call", "check_compress", "check_target", "compress", "compress_caches",
+           "grown_exact", "keep_count"]
 
 
 def keep_count(tokens: int, ratio: float | None = None, budget: int | None = None) -> int:
@@ -65,6 +71,88 @@ def check_target(ratio, budget) -> None:
         raise ValueError(f"budget must be an int >= 1, got {budget!r}")
 
 
+def before_call(cache, tokens: int) -> None:
+    """The ``prompt_end`` trigger, run before a call of ``tokens`` tokens is stored: the first
+    single-token call after a multi-token one compresses ``cache`` (compress-once mode with
+    ``at="prompt_end"``, not compressed yet; otherwise nothing)."""
+    c = cache.config
+    if not c.compress_once or cache._compressed is not None or c.mode.at != "prompt_end":
+        return
+    if tokens > 1:
+        cache._saw_chunk = True
+    elif cache._saw_chunk:
+        compress(cache)
+
+
+def check_compress(cache, ratio: float | None = None, budget: int | None = None) -> None:
+    """Raise the error :func:`compress` would raise, changing nothing.
+
+    Raises:
+        ValueError: the cache is not in compress-once mode, holds nothing, its filter is not
+            estimated yet, or a bad ``ratio`` / ``budget``.
+    """
+    c = cache.config
+    if not c.compress_once:
+        raise ValueError(f"layer {cache.layer_idx}: compression needs mode=CompressOnce(...) "
+                         f"(this cache has mode={c.mode!r})")
+    check_target(ratio, budget)
+    if cache.keys is None or cache._n == 0:
+        raise ValueError(f"layer {cache.layer_idx}: the cache is empty; nothing to compress")
+    if not cache.scoring_ready:
+        hint = " and its queries observed (observe_queries)" if cache.needs_queries else ""
+        raise ValueError(
+            f"layer {cache.layer_idx}: cannot compress before the filter is estimated "
+            f"({cache.offset} tokens seen, qfilters_calib_tokens={c.qfilters_calib_tokens}"
+            f"{hint}); pass calibrated filters (qfilters_filters) or a smaller "
+            f"qfilters_calib_tokens")
+
+
+def compress(cache, ratio: float | None = None, budget: int | None = None) -> int:
+    """Compress the stored tokens of ``cache`` once; returns ``K``, the rows kept per
+    (batch row, KV head) (module docstring: the rule).
+
+    Args:
+        ratio: fraction removed, in ``[0, 1)``; budget: absolute tokens kept. Neither:
+            the config's ``mode.ratio``, else its ``qfilters_budget``.
+
+    Raises:
+        ValueError: as :func:`check_compress`, before anything changes.
+    """
+    check_compress(cache, ratio, budget)
+    c = cache.config
+    if ratio is None and budget is None:
+        ratio = c.mode.ratio
+        budget = c.qfilters_budget if ratio is None else None
+    cache._to_temporal()
+    n = cache._n
+    keep = keep_count(n, ratio, budget)
+    if keep < n:
+        sinks, recent = cache._window(keep)
+        live = tuple(a[:, :, :n] for a in cache._rows())
+        kept, k, v = cache.backend.select_compact(live[2], live[0], live[1], keep, sinks, recent)
+        cache.scores = mx.take_along_axis(live[2], kept, axis=2)
+        cache.positions = mx.take_along_axis(live[3], kept, axis=2)
+        cache.keys, cache.values = k, v
+        cache._n = keep
+        cache.evicted = True
+        cache._queries = None
+        cache.storage.evicted()
+        mx.async_eval(*cache._rows())
+    cache._compressed = (cache._n, cache.offset)
+    cache._journal.clear()  # rewinds cannot cross the compression
+    return cache._n
+
+
+def grown_exact(cache) -> int:
+    """Tokens appended to ``cache`` since its compression, all still stored (none evicted
+    since); 0 when not compressed or in slot mode."""
+    if cache._compressed is None or cache._free is not None:
+        return 0
+    k, offset = cache._compressed
+    grown = cache._n - k
+    return grown if grown == cache.offset - offset else 0
+
+
 def _flatten(caches) -> list:
     out = []
     for c in caches:
@@ -81,19 +169,19 @@ def compress_caches(caches, ratio: float | None = None, budget: int | None = Non
             mlx-lm's own caches, e.g. sliding-window ones, are left as they are).
         ratio: fraction of the tokens removed per (layer, batch row, KV head), kvpress's
             ``compression_ratio``; or ``budget``: tokens kept. Neither: each cache's
-            configuration (``qfilters_compression_ratio``, else ``qfilters_budget``).
+            configuration (``mode.ratio``, else ``qfilters_budget``).
 
     Returns:
         The rows kept per (row, head) by each compressed cache, in layer order.
 
     Raises:
         ValueError: no eviction cache in ``caches``, or any cache cannot be compressed
-            (``QFiltersKVCache.check_compress``); checked for all before any changes.
+            (:func:`check_compress`); checked for all before any changes.
     """
     targets = [c for c in _flatten(caches) if callable(getattr(c, "check_compress", None))]
     if not targets:
         raise ValueError("compress_caches: no QFiltersKVCache in caches (build them with "
-                         "KVCacheBuilder.for_model and qfilters_mode='compress_once')")
+                         "KVCacheBuilder.for_model and mode=CompressOnce(...))")
     for c in targets:
         c.check_compress(ratio, budget)
     return [c.compress(ratio, budget) for c in targets]

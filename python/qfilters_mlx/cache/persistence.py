@@ -1,7 +1,9 @@
-"""Saving, loading and copying ``QFiltersKVCache``: the format, as pure functions.
+"""Saving, loading and copying ``QFiltersKVCache``: the format.
 
-The cache (:mod:`qfilters_mlx.cache.kv_cache`) describes itself as a :class:`Snapshot`
-and restores itself from one; this module turns a snapshot into the ``state`` tuple
+A cache (:mod:`qfilters_mlx.cache.kv_cache`) is described as a :class:`Snapshot`
+(:func:`snapshot`) and restored from one (:func:`restore`; these two read and write the
+cache's own underscore state, as its other component modules do); the rest are pure
+functions: this module turns a snapshot into the ``state`` tuple
 mlx-lm's ``save_prompt_cache`` stores (:func:`encode`) and back, checking everything
 (:func:`decode`), and prepares the attribute dicts of pickling and ``copy.deepcopy``
 (:func:`for_pickle`, :func:`from_pickle`).
@@ -29,12 +31,15 @@ import os
 import mlx.core as mx
 
 from qfilters_mlx.backends.dispatch import get_backend
-from qfilters_mlx.cache.journal import to_slots
+from qfilters_mlx.cache.dense import DenseRows
+from qfilters_mlx.cache.journal import RewindJournal, to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
+from qfilters_mlx.cache.rewind import depth_now
 from qfilters_mlx.config import KVCacheConfig, config_from_state, config_to_state
 from qfilters_mlx.config.deprecated import BUILD_FIELDS
 
-__all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle"]
+__all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle", "restore", "saved_state",
+           "snapshot"]
 
 _ENTRIES = 7  # (keys, values, scores, positions, filter, queries, meta)
 
@@ -117,7 +122,7 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
         ValueError: not a tuple of 7 entries (8 for a quantized class), bad meta, rows whose
             shapes disagree with each other or the offset, a slot layout that does not match
             the rows, a state saved by the other cache class (``kv_bits`` set or not), or
-            ``evicted`` for ``method="full"``.
+            ``evicted`` for a method that never evicts (``"full"``).
     """
     entries = _ENTRIES + 1 if quantized else _ENTRIES
     if not isinstance(v, (tuple, list)) or len(v) != entries:
@@ -166,14 +171,62 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
     if (build[2] is not None) != quantized:
         raise ValueError(f"state: kv_bits={build[2]} was saved by another cache class than "
                          f"{cls_name} (QuantizedQFiltersKVCache stores kv_bits caches)")
-    if config.method == "full" and scalars[2]:
-        raise ValueError("state: meta says evicted=True for method='full', which never evicts")
+    if not config.scorer.evicts and scalars[2]:
+        raise ValueError(f"state: meta says evicted=True for method={config.method!r}, which "
+                         "never evicts")
     get_backend(build[0])  # raises when the saved backend is not available here
     snap = Snapshot(config, build, *scalars, rows, filt, queries, compressed, saw_chunk, keep_last_kv,
                     storage=storage)
     if slots is not None:
         snap.rows, snap.slot_order, snap.free = to_slots(rows, order), order, free
     return snap
+
+
+def snapshot(cache) -> Snapshot:
+    """What ``cache.state`` saves: its rows in temporal order (the layout left as it is),
+    filter, kept queries, build options and scalars."""
+    build = (cache._backend_name, cache.max_rewind, getattr(cache, "bits", None),
+             getattr(cache, "group_size", None))
+    return Snapshot(
+        cache.config, build, cache.layer_idx, cache.offset, cache.evicted, cache.filter_fixed,
+        cache._temporal(), cache.filter, cache._queries, cache._compressed, cache._saw_chunk,
+        cache.keep_last_kv, slot_order=None if cache._free is None else cache._slot_order(),
+        free=cache._free, storage=cache.storage if cache.quantized else None)
+
+
+def saved_state(cache) -> tuple:
+    """``(keys, values, scores, positions, filter, queries, meta)`` (a quantized cache adds
+    its storage's entries): the live rows in temporal order, the filter, the kept
+    calibration queries and a JSON string (:func:`encode`), so that mlx-lm's
+    ``save_prompt_cache`` / ``load_prompt_cache`` round-trip the cache exactly. Arrays are
+    ``None`` while the cache is empty. Reading it changes nothing; setting it
+    (:func:`restore`) checks everything first."""
+    return encode(snapshot(cache))
+
+
+def restore(cache, v) -> None:
+    """Set ``cache`` to the saved ``state`` ``v`` (checked first by :func:`decode`; nothing
+    changes when it raises). The rewind journal starts empty."""
+    s = decode(v, cache.quantized, type(cache).__name__)
+    backend_name, max_rewind, bits, group_size = s.build
+    cache.config, cache.layer_idx = s.config, s.layer_idx
+    cache.scorer = s.config.scorer.from_config(s.config, s.layer_idx)
+    cache.backend, cache._backend_name = get_backend(backend_name), backend_name
+    cache.max_rewind = max_rewind
+    if cache.quantized:
+        cache.bits, cache.group_size, cache.storage = bits, group_size, s.storage
+    else:
+        cache.storage = DenseRows()
+    cache.offset, cache.evicted, cache.filter_fixed = s.offset, s.evicted, s.filter_fixed
+    cache.queries_observed = cache._queries_pending = False
+    cache._queries = s.queries
+    cache._set_rows(s.rows)
+    cache._n = 0 if s.rows[0] is None else s.rows[0].shape[2] - (s.free is not None)
+    cache._free, cache._victim_rows = s.free, None
+    cache.filter = s.filter
+    cache._journal = RewindJournal(depth_now(cache))
+    cache._compressed, cache._saw_chunk = s.compressed, s.saw_chunk
+    cache.keep_last_kv, cache._last_kv = s.keep_last_kv, None
 
 
 def for_pickle(d: dict, backend_name: str) -> dict:

@@ -32,7 +32,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["QuantizedRows", "pack_rows", "row_words", "unpack_rows"]
+from qfilters_mlx.cache.journal import RewindJournal
+from qfilters_mlx.config.build import check_build
+
+__all__ = ["QuantizedRows", "check_quantization", "pack_rows", "quantized_copy", "row_words",
+           "unpack_rows"]
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -192,3 +196,45 @@ class QuantizedRows:
         new.kv_format = (*d, str(keys.dtype).rsplit(".", 1)[-1])
         new.fp_keys = held_keys
         return new, new.pack(keys), new.pack(values)
+
+
+def check_quantization(bits, group_size, max_rewind, head_dim) -> None:
+    """``kv_bits`` / ``kv_group_size`` checks of ``KVCacheConfig``, for the values a
+    quantized cache is built with (``ValueError`` naming the value)."""
+    check_build("auto", max_rewind, bits, group_size, head_dim,
+                names={"backend": "backend", "max_rewind": "max_rewind", "kv_bits": "kv_bits",
+                       "kv_group_size": "kv_group_size"})
+
+
+def quantized_copy(cache, cls, bits: int, group_size: int):
+    """``cache`` (a ``QFiltersKVCache``) as a ``cls`` (its quantized sibling) storing its K/V
+    quantized: the same kept rows, scores, positions, filter and slot layout
+    (``QuantizedQFiltersKVCache.from_cache`` documents the contract and the errors); a cache
+    already quantized with these ``bits`` / ``group_size`` is returned as is. Reads the
+    cache's own (underscore) state, as the cache's other component modules do."""
+    if cache.quantized:
+        if (cache.bits, cache.group_size) == (bits, group_size):
+            return cache
+        raise ValueError(f"cache is quantized with kv_bits={cache.bits}, kv_group_size="
+                         f"{cache.group_size}; cannot requantize to {bits}, {group_size}")
+    if cache.needs_queries:
+        raise ValueError(
+            f"layer {cache.layer_idx}: cannot quantize the cache before its filter is estimated "
+            f"from queries (offset {cache.offset} < qfilters_calib_tokens "
+            f"{cache.config.qfilters_calib_tokens}): use quantized_kv_start >= calib_tokens, "
+            "or build the caches with kv_bits= (KVCacheBuilder) to quantize from the first token")
+    config = cache.config
+    check_quantization(bits, group_size, cache.max_rewind, config.head_dim)
+    held = None
+    if cache.keys is not None and cache._needs_filter and not cache.evicted:
+        m = min(cache._n, config.qfilters_calib_tokens) if cache.scoring_ready else cache._n
+        held = cache.keys[:, :, :m]
+    storage, keys, values = QuantizedRows.converted(cache.keys, cache.values, held, bits, group_size)
+    new = cls.__new__(cls)
+    new.__dict__.update(cache.__dict__)
+    new.config, new.storage, new.bits, new.group_size = config, storage, bits, group_size
+    new._journal = RewindJournal(0)
+    if cache.keys is not None:
+        new.keys, new.values = keys, values
+    return new
+

@@ -16,6 +16,7 @@ import re
 import sys
 
 from qfilters_mlx.config import DEFAULT_FILTER_SOURCE, KVCacheConfig
+from qfilters_mlx.scorers import scorer_class
 
 __all__ = ["applicable_flags", "builder_from_args", "config_from_args", "describe_config",
            "ignored_flags", "warn_ignored"]
@@ -47,13 +48,14 @@ def applicable_flags(method: str, has_filters: bool, calibrated: bool = False) -
     """The cache flags (``args`` attribute names) that change what ``method`` does
     (``has_filters``: ``--filters`` given; ``calibrated``: the calibrated filter, whose
     filter needs no ``--calib-tokens`` or ``--sign``)."""
-    if method == "full":
+    scorer = scorer_class(method)
+    if not scorer.evicts:
         return set()
     flags = {"budget", "max_kv_size", "n_sink"}
-    if method == "streaming_llm":
+    if not scorer.ranks:
         return flags
     flags.add("recent")
-    if method == "qfilters":
+    if scorer.uses_filter:
         flags.add("filters")
         if not has_filters:
             flags.add("filter_source")
@@ -73,7 +75,7 @@ def ignored_flags(args, method: str | None = None) -> list[str]:
 def warn_ignored(parser, args, method: str | None = None) -> None:
     """One warning line on stderr per given flag that ``method`` does not use."""
     method = method or args.method
-    detail = ("" if method != "qfilters" else " with --filters" if args.filters is not None else
+    detail = ("" if not scorer_class(method).uses_filter else " with --filters" if args.filters is not None else
               " with the calibrated filter (--filter-source calibrated)" if _calibrated(args) else "")
     for flag in ignored_flags(args, method):
         print(f"{parser.prog}: warning: {flag} does nothing with --method {method}{detail} "
@@ -152,11 +154,11 @@ def _flag_errors(parser):
 
 def describe_config(config) -> str:
     """The configuration in flag terms, only what applies to its method."""
-    parts = [f"method={config.method}"]
-    if config.method == "full":
+    parts, scorer = [f"method={config.method}"], config.scorer
+    if not scorer.evicts:
         return parts[0] + " (keeps every token)"
     parts.append(f"budget={config.qfilters_budget} n_sink={config.qfilters_n_sink}")
-    if config.method == "streaming_llm":
+    if not scorer.ranks:
         parts.append(f"recent={config.protected_recent} (budget - n_sink)")
     elif isinstance(config.qfilters_recent, int):
         parts.append(f"recent={config.qfilters_recent}")
@@ -164,7 +166,7 @@ def describe_config(config) -> str:
         rows = config.qfilters_recent if isinstance(config.qfilters_recent[0], tuple) else (config.qfilters_recent,)
         flat = [w for row in rows for w in row]
         parts.append(f"recent=per head ({min(flat)}..{max(flat)}, mean {sum(flat) / len(flat):.1f})")
-    if config.method == "qfilters":
+    if scorer.uses_filter:
         f = config.qfilters_filters
         if f is not None:
             parts.append(f"filters={f if isinstance(f, str) else 'array'}")
@@ -176,6 +178,6 @@ def describe_config(config) -> str:
             sign = sign if isinstance(sign, str) else f"{sign:+d}"
             parts.append(f"filter_source={config.qfilters_filter_source} sign={sign} "
                          f"calib_tokens={config.qfilters_calib_tokens}")
-    if config.method == "random":
+    if scorer.seeded:
         parts.append(f"seed={config.qfilters_seed}")
     return " ".join(parts)

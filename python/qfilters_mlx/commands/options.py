@@ -24,7 +24,6 @@ from qfilters_mlx.config import (
     FILTER_SOURCES,
     KV_BITS,
     KV_GROUP_SIZES,
-    METHODS,
 )
 
 DEFAULT_QUANTIZED_KV_START = 5000
@@ -138,8 +137,9 @@ def check_quantized_kv_start(parser, args, config) -> None:
 def add_cache_args(group) -> None:
     """The eviction-cache flags (defaults: :mod:`qfilters_mlx.config`)."""
     from qfilters_mlx.backends.dispatch import BACKENDS
+    from qfilters_mlx.scorers import scorer_names
 
-    group.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
+    group.add_argument("--method", choices=scorer_names(), default=DEFAULT_METHOD,
                        help=f"eviction method (default {DEFAULT_METHOD}; 'full' keeps everything)")
     group.add_argument("--budget", type=int, default=None,
                        help=f"tokens kept per layer and KV head, sinks and recent window included "

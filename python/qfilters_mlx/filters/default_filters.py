@@ -286,7 +286,7 @@ def resolve_filters(model, config, tokenizer=None, model_path=None) -> ResolvedF
     """
     from qfilters_mlx.filters.calibration import load_filters
 
-    if config.method != "qfilters":
+    if not config.scorer.uses_filter:
         return ResolvedFilters(None, config, f"none (method {config.method})")
     f = config.qfilters_filters
     if isinstance(f, str):
