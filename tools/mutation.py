@@ -1,7 +1,8 @@
 """Mutation check (not in CI: too slow on 2 cores): mutmut over the eviction core.
 
-Mutates ``backends/reference.py``, ``cache/kv_cache.py`` (the cache's hot path, its scores and
-rewinds) and the cache's components ``calibration.py``, ``journal.py``, ``persistence.py`` (``--modules``)
+Mutates ``backends/reference.py``, ``cache/kv_cache.py`` (the cache's hot path), the cache's
+component modules (rewinds, compress-once, calibration, journal, persistence, bytes, input
+checks, masks, quantized storage) and the scorers (``--modules``)
 and runs the unit tests in ``TESTS`` against every mutant: mutmut runs, per mutant,
 only the tests that call the mutated function, and stops at the first failure.
 mutmut wants the package under ``src/``, so the run happens in a scratch copy
@@ -58,7 +59,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py", "cache/journal.py",
-           "cache/persistence.py"]
+           "cache/persistence.py", "cache/rewind.py", "cache/compression.py", "cache/accounting.py",
+           "cache/inputs.py", "cache/masks.py", "cache/quantized.py", "scorers/base.py",
+           "scorers/registry.py", "scorers/qfilters.py", "scorers/l2norm.py",
+           "scorers/seeded_random.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the files holding the
 # tests written for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py",
@@ -69,7 +73,8 @@ TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py", "tests
          "tests/cache/test_rewind.py", "tests/backends/test_perhead_recent.py",
          "tests/filters/test_query_filters.py::test_auto_sign_points_the_key_filter_at_the_queries",
          "tests/cache/test_cache_construction.py", "tests/cache/test_no_silent_rewind.py",
-         "tests/cache/test_copies.py",
+         "tests/cache/test_copies.py", "tests/cache/test_scorers.py",
+         "tests/cache/test_compress_once_bytes.py", "tests/cache/test_speculative_draft.py",
          *RECHECK_TESTS]
 # Slow (3-5 s each: every surviving mutant of the cache pays them) and covered by the
 # differential tests (test_cache_oracle, test_properties) for everything but rewinds.
