@@ -22,22 +22,22 @@ ANSWER_CHARS = 48
 
 def parse_entries(parser, spec: str) -> list[tuple[str, int | None]]:
     """``"full,qfilters@512"`` -> ``[("full", None), ("qfilters", 512)]``; errors name ``--compare``."""
-    from qfilters_mlx.config import METHODS
+    from qfilters_mlx.scorers import scorer_class, scorer_names
 
     entries = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
         method, _, budget = item.partition("@")
-        if method not in METHODS:
+        if method not in scorer_names():
             parser.error(f"--compare: unknown method {method!r} in {spec!r} (choose from "
-                         f"{', '.join(METHODS)}, optionally METHOD@BUDGET)")
+                         f"{', '.join(scorer_names())}, optionally METHOD@BUDGET)")
         try:
             b = int(budget) if budget else None
         except ValueError:
             parser.error(f"--compare: budget of {item!r} is not an integer")
-        if b is not None and method == "full":
-            parser.error(f"--compare: {item!r}: method full has no budget")
+        if b is not None and not scorer_class(method).evicts:
+            parser.error(f"--compare: {item!r}: method {method} has no budget")
         entries.append((method, b))
     if not entries:
         parser.error(f"--compare: no method in {spec!r}")
@@ -83,7 +83,7 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
     weights = summary.weight_bytes(model)
     rows = []
     for i, ((method, _), config) in enumerate(zip(entries, configs)):
-        label = f"{method}@{config.qfilters_budget}" if method != "full" else method
+        label = f"{method}@{config.qfilters_budget}" if config.scorer.evicts else method
         if args.seed is not None:
             mx.random.seed(args.seed)  # every entry samples from the same state
         try:

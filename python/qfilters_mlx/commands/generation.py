@@ -156,7 +156,7 @@ def build_draft(parser, args, draft_model, draft_tokenizer, tokenizer, config, b
     if draft_tokenizer is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
         parser.error(f"{flag}: its tokenizer does not match the model's")
     depth = rewind_depth(builder.options_for(config).max_rewind)
-    if config.method != "full" and args.num_draft_tokens > depth:
+    if config.scorer.evicts and args.num_draft_tokens > depth:
         parser.error(f"--num-draft-tokens {args.num_draft_tokens} is more than the caches can rewind "
                      f"after an eviction (--max-rewind {depth}): raise --max-rewind")
     return draft_model, builder.for_model(draft_model, draft_config(config),

@@ -62,10 +62,11 @@ def compress_config(parser, args, config):
         if growth is not None:
             parser.error("--growth needs --compression-ratio or --context-file")
         return config
-    if config.method == "full":
+    if not config.scorer.evicts:
         for flag, v in (("--compression-ratio", ratio), ("--growth", growth)):
             if v is not None:
-                print(f"{parser.prog}: warning: {flag} does nothing with --method full (ignored)",
+                print(f"{parser.prog}: warning: {flag} does nothing with --method {config.method} "
+                      "(ignored)",
                       file=sys.stderr)
         return config
     if ratio is not None and not 0.0 <= ratio < 1.0:
@@ -152,7 +153,7 @@ def run_questions(parser, args, config, blas_library=None) -> int:
     prefill_s = time.perf_counter() - tic
     tic = time.perf_counter()
     try:
-        kept = compress_caches(caches) if config.method != "full" else [len(ctx)]
+        kept = compress_caches(caches) if config.scorer.evicts else [len(ctx)]
     except ValueError as err:
         parser.error(f"--context-file: {err}")
     mx.eval([c.state for c in caches])
@@ -179,7 +180,7 @@ def run_questions(parser, args, config, blas_library=None) -> int:
 def describe(config) -> str:
     from qfilters_mlx.commands.cache_options import describe_config
 
-    if config.method == "full":
+    if not config.scorer.evicts:
         return describe_config(config)
     mode = config.mode
     ratio, growth = getattr(mode, "ratio", None), getattr(mode, "growth", None)

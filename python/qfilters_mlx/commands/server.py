@@ -238,8 +238,9 @@ def __getattr__(name):  # QFiltersModelProvider / StoredConversations, built on 
 
 def _config(parser, args):
     from qfilters_mlx.commands.cache_options import config_from_args, describe_config, warn_ignored
+    from qfilters_mlx.scorers import scorer_class
 
-    if args.method == "qfilters" and args.filters is None:
+    if scorer_class(args.method).uses_filter and args.filters is None:
         if args.filter_source == "queries" or args.sign == "auto":
             parser.error("--filter-source queries and --sign auto estimate the filter from observed "
                          "queries, which mlx_lm.server's own batching cannot deliver: use the "
@@ -256,6 +257,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
     global _BUILDER, _CONFIG
     from qfilters_mlx.commands.cache_options import builder_from_args
     from qfilters_mlx.commands.model_path import resolve_model
+    from qfilters_mlx.scorers import scorer_class
 
     argv = list(args.server_args)
     ours = cache_parser()
@@ -265,7 +267,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
         print("\nmlx_lm.server flags:\n")
     cache_args, rest = ours.parse_known_args([a for a in argv if a not in ("-h", "--help")])
     quantized = any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest)
-    if cache_args.max_rewind is None and cache_args.method != "full" and not quantized:
+    if cache_args.max_rewind is None and scorer_class(cache_args.method).evicts and not quantized:
         cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
                                     if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)

@@ -51,8 +51,10 @@ def compression_text(s: dict, method: str) -> str:
     Before the first eviction the kept bytes include the scores and the filter, so
     they exceed the full cache's (a ratio below 1 that means nothing was lost).
     """
-    if method == "full":
-        return "none (method full keeps every token)"
+    from qfilters_mlx.scorers import scorer_class
+
+    if not scorer_class(method).evicts:
+        return f"none (method {method} keeps every token)"
     if not s["evicted"]:
         return (f"nothing evicted yet ({s['tokens_seen']} tokens seen, within the budget or "
                 f"before the filter is estimated)")
