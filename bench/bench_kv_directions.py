@@ -19,7 +19,9 @@ budget/2, the filter ``for_model`` calibrates on first use, unless said):
   disjoint from G2's) or by the attention beyond 128 tokens back on the first 1,024 tokens of the
   calibration text get ``m`` times the budget as sinks and a recent window; every other head half
   the budget as sinks and a recent window (plus the tokens left over, so the budgets sum to
-  ``n_layers * n_kv_heads * budget``).
+  ``n_layers * n_kv_heads * budget``); ``heads-needle-<m>x<k>``: the top ``k`` heads get ``m``
+  times the budget, the other heads share what is left; a trailing ``q``: the other heads keep
+  the default's rule (recent window half their budget, the rest by the filter).
 
 Usage (resumable; ``--report`` rewrites the tables only)::
 
@@ -57,7 +59,8 @@ OUT = common.RESULTS / "kv_directions.json"
 G1_FILE, G2_FILE = common.RESULTS / "held_out_perplexity.json", common.RESULTS / "recall_beyond_window.json"
 SCORES = {"value-mix": {"filter": 1.0, "value": 1.0}, "novelty": {"novelty": 1.0},
           "novelty-mix": {"filter": 1.0, "novelty": 1.0}}
-ARMS = ("value-mix", "novelty", "novelty-mix", "heads-needle-4", "heads-far-4")
+ARMS = ("value-mix", "novelty", "novelty-mix", "heads-needle-4", "heads-far-4", "heads-needle-4q",
+        "heads-needle-4x3", "heads-needle-8x3", "heads-needle-4x6", "heads-needle-4x3q")
 CALIB_OFFSETS, CALIB_DEPTHS = (170_000, 185_000), (0.1, 0.3, 0.5)
 
 
@@ -99,8 +102,13 @@ class Directions:
             return kv_score_arm(cfg, SCORES[name], filters)
         if name.startswith("heads-"):
             _, measure, m = name.split("-")
-            budgets, recents, top = split_budgets(self.ranking(measure), budget, int(m) * budget, budget // 2,
-                                                  g1.N_SINK)
+            mult, _, k = m.rstrip("q").partition("x")
+            big = int(mult) * budget
+            budgets, recents, top = split_budgets(self.ranking(measure), budget, big, None if k else budget // 2,
+                                                  g1.N_SINK, heads=int(k) if k else None)
+            if m.endswith("q"):  # the small heads keep the default's rule: recent half, the rest by the filter
+                recents = tuple(tuple(r if x == big else x // 2 for r, x in zip(rr, bb))
+                                for rr, bb in zip(recents, budgets))
             self.results.setdefault("heads", {})[f"{name}@{budget}"] = {"big": top, "total": int(np.sum(budgets))}
             return MaskedArm(cfg, filters=filters, budgets=budgets, recents=recents)
         raise ValueError(f"unknown arm {name!r}")

@@ -55,8 +55,14 @@ def test_split_budgets_sum_to_the_one_budget_total():
         rest = np.array([b[l, h] for l in range(30) for h in range(3) if (l, h) not in top])
         assert rest.min() >= budget // 2 and rest.max() - rest.min() <= 1  # the left-over tokens spread
         assert np.array_equal(np.array(recents), b - 4)
+    budgets, _, top = split_budgets(ranking, 128, 512, None, 4, heads=3)  # three heads, the rest share
+    b = np.array(budgets)
+    assert b.sum() == 90 * 128 and len(top) == 3 and sorted(b.flat)[-4] in ((90 * 128 - 3 * 512) // 87 + 1,
+                                                                            (90 * 128 - 3 * 512) // 87)
     with pytest.raises(ValueError, match="need n_sink < small <= budget < big"):
         split_budgets(ranking, 64, 64, 32, 4)
+    with pytest.raises(ValueError, match="need n_sink < small <= budget < big"):
+        split_budgets(ranking, 64, 1024, None, 4, heads=10)  # nothing left for the other heads
 
 
 def test_score_components_against_numpy():

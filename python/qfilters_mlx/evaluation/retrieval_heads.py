@@ -76,20 +76,24 @@ def far_mass(model, tokens, window: int, n_sink: int) -> np.ndarray:
     return np.stack([r[:, n_sink:].sum(axis=1) / (H_q // r.shape[0]) / len(tokens) for r in per_layer])
 
 
-def split_budgets(ranking: np.ndarray, budget: int, big: int, small: int, n_sink: int) -> tuple:
+def split_budgets(ranking: np.ndarray, budget: int, big: int, small: int | None, n_sink: int,
+                  heads: int | None = None) -> tuple:
     """``(budgets, recents, heads)``: per layer, a tuple of one budget and one recent window per
-    KV head, and the ``(layer, head)`` pairs given ``big``, the most heads ``ranking`` ranks
+    KV head, and the ``(layer, head)`` pairs given ``big``: the most heads ``ranking`` ranks
     highest that fit in ``n_layers * n_kv_heads * budget`` tokens with every other head at
-    ``small`` or a token more (module docstring).
+    ``small`` or a token more (module docstring), or the top ``heads`` with every other head
+    sharing what is left (``small`` then ``None``).
 
     Raises:
         ValueError: not ``n_sink < small <= budget < big``.
     """
-    if not n_sink < small <= budget < big:
-        raise ValueError(f"need n_sink < small <= budget < big, got {n_sink}, {small}, {budget}, {big}")
     L, H = ranking.shape
     total = L * H * budget
-    k = (total - L * H * small) // (big - small)
+    if heads is not None:
+        small = (total - heads * big) // (L * H - heads)
+    if not n_sink < small <= budget < big:
+        raise ValueError(f"need n_sink < small <= budget < big, got {n_sink}, {small}, {budget}, {big}")
+    k = heads if heads is not None else (total - L * H * small) // (big - small)
     order = [divmod(int(i), H) for i in np.argsort(-ranking, axis=None, kind="stable")]
     top = set(order[:k])
     b = np.full((L, H), small)
