@@ -40,15 +40,14 @@ H_KV, HEAD_DIM, DTYPE, LAYERS, CHUNK = 3, 64, mx.float32, 30, 2048
 def _caches(arm: str, context: int, kept: float, layers: int, filters) -> list:
     from mlx_lm.models.cache import KVCache
 
-    from qfilters_mlx import KVCacheConfig, QFiltersKVCache
+    from qfilters_mlx import CompressOnce, KVCacheConfig, QFiltersKVCache
 
     if arm == "full":
         return [KVCache() for _ in range(layers)]
     if arm == "streaming":
         cfg = KVCacheConfig(method="qfilters", head_dim=HEAD_DIM, qfilters_budget=int(context * kept))
     else:
-        cfg = KVCacheConfig(method="qfilters", head_dim=HEAD_DIM, qfilters_mode="compress_once",
-                            qfilters_compress_at="manual")
+        cfg = KVCacheConfig(method="qfilters", head_dim=HEAD_DIM, mode=CompressOnce(at="manual"))
     return [QFiltersKVCache(cfg, i, filters=filters[i]) for i in range(layers)]
 
 

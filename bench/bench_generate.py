@@ -14,7 +14,7 @@ rotates between repeats; values are medians over repeats):
 * ``full``: mlx-lm ``KVCache`` (one per layer, independent of the budget);
 * ``rotating``: mlx-lm ``RotatingKVCache(max_size=budget, keep=4)``;
 * ``qfilters-reference`` / ``qfilters-cpp``: ``QFiltersKVCache`` with
-  ``qfilters_backend`` ``"reference"`` / ``"cpp"``, budget, n_sink 4,
+  ``backend`` ``"reference"`` / ``"cpp"``, budget, n_sink 4,
   recent budget/2, filter from the SVD of the first 128 keys with sign -1;
 * ``qfilters-cpp-queries`` (``--queries``): the paper's filter from the first
   128 post-RoPE queries, which needs ``observe_queries`` around generation;

@@ -44,8 +44,8 @@ def main(argv=None) -> None:
         cycle = (0, b // 2, b - 4)
         recent = [[cycle[(layer + h) % 3] for h in range(H_KV)] for layer in range(LAYERS)]
     cfg = KVCacheConfig(qfilters_budget=b, qfilters_n_sink=4, qfilters_recent=recent, qfilters_sign=-1,
-                        qfilters_filter_source="keys", qfilters_backend="cpp", head_dim=D)
-    caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(LAYERS)]
+                        qfilters_filter_source="keys", head_dim=D)
+    caches = [QFiltersKVCache(cfg, layer_idx=i, backend="cpp") for i in range(LAYERS)]
     mx.random.seed(0)
     for start in range(0, args.context, 512):
         kv = mx.random.normal((1, H_KV, min(512, args.context - start), D))

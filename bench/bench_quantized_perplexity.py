@@ -20,7 +20,6 @@ Writes ``bench/results/quantized_perplexity.json`` and ``.md``. Usage (resumable
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import common  # noqa: F401  (fast BLAS before MLX)
@@ -112,8 +111,8 @@ def main() -> None:
             continue
         rows = []
         for a, b in todo:
-            cfg = dataclasses.replace(a.config(b).with_head_dim(hd), kv_bits=bits)
-            rows.append([a.make_cache(cfg, layer) for layer in range(n_layers)])
+            cfg = a.config(b).with_head_dim(hd)
+            rows.append([a.make_cache(cfg, layer, bits=bits) for layer in range(n_layers)])
         tic = time.perf_counter()
         nlls = batched_streaming_nll(model, tokens, rows, args.prefix)
         seconds = time.perf_counter() - tic

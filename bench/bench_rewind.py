@@ -1,7 +1,7 @@
 """What exact rewinds cost a decode step: the rewind journal on and off, paired.
 
 Shapes of SmolLM2-135M (30 layers, H_kv 3, D 64, float32, B 1), cache only (no
-model). Arms: ``qfilters-cpp`` with ``qfilters_max_rewind`` 0 (no journal), 16
+model). Arms: ``qfilters-cpp`` with ``max_rewind`` 0 (no journal), 16
 (the default) and 64, and mlx-lm's ``RotatingKVCache(max_size=budget, keep=4)``
 as the yardstick. Every arm is prefilled with the same ``--context`` seeded
 random keys/values in 2,048-token chunks, then the arms decode in lockstep: one
@@ -44,13 +44,11 @@ DEPTHS = (0, 16, 64)
 def build(arm: str, budget: int, n_layers: int) -> list:
     if arm == "rotating":
         return common.make_caches("rotating", budget, n_layers=n_layers, head_dim=HEAD_DIM)[0]
-    from dataclasses import replace
-
     from qfilters_mlx import QFiltersKVCache
 
     depth = int(arm.rsplit("-", 1)[1])
-    cfg = replace(common.qf_config(budget, "cpp", "keys", HEAD_DIM), qfilters_max_rewind=depth)
-    return [QFiltersKVCache(cfg, layer_idx=i) for i in range(n_layers)]
+    cfg = common.qf_config(budget, "keys", HEAD_DIM)
+    return [QFiltersKVCache(cfg, layer_idx=i, backend="cpp", max_rewind=depth) for i in range(n_layers)]
 
 
 def prefill(caches: list, context: int, seed: int) -> None:
@@ -115,7 +113,7 @@ def run_model(budget: int, context: int, depths, rounds: int, per_round: int) ->
         else:
             depth = int(a.rsplit("-", 1)[1])
             c = list(KVCacheBuilder.for_model(model, KVCacheConfig(
-                qfilters_budget=budget, qfilters_filters=str(filters), qfilters_max_rewind=depth)))
+                qfilters_budget=budget, qfilters_filters=str(filters)), max_rewind=depth))
         tic = time.perf_counter()
         for s in range(0, context, common.PREFILL_STEP):
             logits = model(prompt[None, s:s + common.PREFILL_STEP], cache=c)

@@ -37,7 +37,7 @@ ARMS = ("full", "rotating", "qfilters")
 
 def run_arm(model, arm: str, budget: int, rows: list[list[int]], max_tokens: int, backend: str) -> dict:
     if arm == "qfilters":
-        KVCacheBuilder.install(model, common.qf_config(budget, backend))
+        KVCacheBuilder.install(model, common.qf_config(budget), backend=backend)
     kw = {"max_kv_size": budget} if arm == "rotating" else {}
     try:
         mx.clear_cache()

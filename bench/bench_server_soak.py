@@ -23,7 +23,7 @@ defaults. Phases, each on fresh servers:
    ``bench/bench_server_memory.py``.
 4. **soak**: ``--soak`` mixed requests (chat, text, streaming), every fifth a stream the client
    drops after the first chunk; errors and RSS before/after.
-5. **decode**: decode tokens/s with the server's caches at ``qfilters_max_rewind`` 0, 16 and 64
+5. **decode**: decode tokens/s with the server's caches at ``max_rewind`` 0, 16 and 64
    (the server's default), in process, alternating (the rewind journal's cost).
 
 Writes ``bench/results/server_soak.json`` and ``.md``. Run:
@@ -211,16 +211,15 @@ def soak(arm, model, log_dir, n) -> dict:
 DEPTHS = (0, 16, 64)
 
 
-def _server_config(depth):
+def _server_config():
     from qfilters_mlx import KVCacheConfig
 
-    return KVCacheConfig(method="qfilters", qfilters_budget=BUDGET, qfilters_filters=str(FILTERS),
-                         qfilters_backend="auto", qfilters_max_rewind=depth)
+    return KVCacheConfig(method="qfilters", qfilters_budget=BUDGET, qfilters_filters=str(FILTERS))
 
 
 def decode(tokens, reps, prompt_len=512) -> dict:
     """Decode tokens/s of SmolLM2 through ``mlx_lm.stream_generate`` with the server's caches
-    (budget 64, the calibrated filters file) at each ``qfilters_max_rewind`` of :data:`DEPTHS`,
+    (budget 64, the calibrated filters file) at each ``max_rewind`` of :data:`DEPTHS`,
     alternating within each rep (in process: HTTP and prefill time would hide a per-step
     difference); ratios against depth 0 are taken within a rep."""
     import mlx_lm
@@ -233,7 +232,7 @@ def decode(tokens, reps, prompt_len=512) -> dict:
     held = {}
     for _ in range(reps):
         for d in DEPTHS:
-            caches = KVCacheBuilder.for_model(model, _server_config(d))
+            caches = KVCacheBuilder.for_model(model, _server_config(), backend="auto", max_rewind=d)
             last = None
             for last in mlx_lm.stream_generate(model, tok, prompt, max_tokens=tokens, prompt_cache=caches):
                 pass

@@ -99,16 +99,17 @@ def available(arms) -> tuple[list[str], str | None]:
     return arms, f"veloxquant-mlx {getattr(veloxquant_mlx, '__version__', '?')}"
 
 
-def qf_config(budget: int, backend: str, source: str = "keys", head_dim: int | None = None):
+def qf_config(budget: int, source: str = "keys", head_dim: int | None = None):
     """The benchmarks' Q-Filters setting: n_sink 4, recent budget/2, 128 calibration tokens,
-    sign -1 for the key-SVD filter (+1 for the query filter)."""
+    sign -1 for the key-SVD filter (+1 for the query filter). The kernel backend is a build
+    option: the keyword ``backend=`` where the caches are built."""
     from qfilters_mlx import KVCacheConfig
 
     return KVCacheConfig(
         method="qfilters", qfilters_budget=budget, qfilters_n_sink=N_SINK,
         qfilters_recent=budget // 2, qfilters_calib_tokens=CALIB,
         qfilters_sign=SIGN if source == "keys" else 1,
-        qfilters_filter_source=source, qfilters_backend=backend, head_dim=head_dim,
+        qfilters_filter_source=source, head_dim=head_dim,
     )
 
 
@@ -151,12 +152,12 @@ def make_caches(arm: str, budget: int, *, model=None, n_layers: int | None = Non
 
         backend, _, source = arm[len("qfilters-"):].partition("-")
         source = source or "keys"
-        cfg = qf_config(budget, backend, source, head_dim)
+        cfg = qf_config(budget, source, head_dim)
         if model is None:
             if source != "keys":
                 raise ValueError(f"arm {arm!r} observes the model's queries: it needs a model")
-            return [QFiltersKVCache(cfg, layer_idx=i) for i in range(n)], contextlib.nullcontext()
-        caches = KVCacheBuilder.for_model(model, cfg)
+            return [QFiltersKVCache(cfg, layer_idx=i, backend=backend) for i in range(n)], contextlib.nullcontext()
+        caches = KVCacheBuilder.for_model(model, cfg, backend=backend)
         ctx = observe_queries(model, caches) if source == "queries" else contextlib.nullcontext()
         return caches, ctx
     if arm == VELOX:

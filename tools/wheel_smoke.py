@@ -70,8 +70,8 @@ def main() -> None:
     kept = {}
     for backend in ("reference", "cpp"):
         cache = QFiltersKVCache(KVCacheConfig(qfilters_budget=32, qfilters_n_sink=2, qfilters_recent=8,
-                                              qfilters_calib_tokens=16, qfilters_filter_source="keys",
-                                              qfilters_backend=backend))
+                                              qfilters_calib_tokens=16, qfilters_filter_source="keys"),
+                                backend=backend)
         cache.update_and_fetch(keys, keys)
         kept[backend] = np.array(cache.kept_positions())
     check(kept["cpp"].shape == (1, 2, 32) and np.array_equal(kept["cpp"], kept["reference"]),

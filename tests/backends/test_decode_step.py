@@ -68,7 +68,8 @@ def test_cpp_and_reference_caches_decode_identically(method, dtype):
     for backend in ("reference", "cpp"):
         c = QFiltersKVCache(KVCacheConfig(method=method, qfilters_budget=24, qfilters_n_sink=3,
                                           qfilters_recent=5, qfilters_calib_tokens=16,
-                                          qfilters_backend=backend, qfilters_filter_source="keys", qfilters_sign=1))
+                                          qfilters_filter_source="keys", qfilters_sign=1),
+                            backend=backend)
         c.update_and_fetch(k[:, :, :40], v[:, :, :40])
         outs = []
         for t in range(40, 300):
@@ -87,8 +88,8 @@ def test_slot_mode_keeps_the_select_keep_set_and_returns_budget_plus_one():
     keys = rng.standard_normal((1, 2, 200, 8)).astype(np.float32)
     k = mx.array(keys)
     c = QFiltersKVCache(KVCacheConfig(qfilters_budget=20, qfilters_n_sink=2, qfilters_recent=3,
-                                      qfilters_calib_tokens=10, qfilters_backend="cpp", qfilters_filter_source="keys",
-                                      qfilters_sign=1))
+                                      qfilters_calib_tokens=10, qfilters_filter_source="keys",
+                                      qfilters_sign=1), backend="cpp")
     c.update_and_fetch(k[:, :, :30], k[:, :, :30])
     for t in range(30, 200):
         out_k, _ = c.update_and_fetch(k[:, :, t:t + 1], k[:, :, t:t + 1])

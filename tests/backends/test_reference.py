@@ -341,9 +341,9 @@ def test_to_quantized_stores_what_mlx_lm_quantizes_with_the_requested_format(gro
     H, D, T = 2, 128, 10
     k = rng.standard_normal((1, H, T + 1, D)).astype(np.float16)
     v = rng.standard_normal((1, H, T + 1, D)).astype(np.float16)
-    cfg = KVCacheConfig(method="qfilters", qfilters_budget=32, qfilters_n_sink=2, qfilters_recent=4,
-                        qfilters_backend="reference")
-    ours = QFiltersKVCache(cfg, filters=mx.array(rng.standard_normal((H, D)).astype(np.float32)))
+    cfg = KVCacheConfig(method="qfilters", qfilters_budget=32, qfilters_n_sink=2, qfilters_recent=4)
+    ours = QFiltersKVCache(cfg, filters=mx.array(rng.standard_normal((H, D)).astype(np.float32)),
+                           backend="reference")
     theirs = KVCache()
     for c in (ours, theirs):
         c.update_and_fetch(mx.array(k[:, :, :T]), mx.array(v[:, :, :T]))
@@ -394,12 +394,11 @@ def test_observe_queries_rejects_each_bad_input_before_any_state_changes():
     from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=4, qfilters_n_sink=1, qfilters_recent=1,
-                        qfilters_calib_tokens=8, qfilters_filter_source="queries",
-                        qfilters_backend="reference")
-    fresh = QFiltersKVCache(cfg)
+                        qfilters_calib_tokens=8, qfilters_filter_source="queries")
+    fresh = QFiltersKVCache(cfg, backend="reference")
     with pytest.raises(ValueError, match=r"^queries must be an mx.array \[B, H_q, L, D\] observed after an update$"):
         fresh.observe_queries(mx.ones((1, 4, 3, 16)))  # no update yet
-    c = QFiltersKVCache(cfg)
+    c = QFiltersKVCache(cfg, backend="reference")
     c.queries_observed = True  # as inside `observe_queries(model, caches)`
     k = mx.ones((1, 2, 3, 16))
     c.update_and_fetch(k, k)  # B=1, H_kv=2, D=16, offset 3
@@ -416,13 +415,12 @@ def test_observe_queries_rejects_each_bad_input_before_any_state_changes():
     assert c._queries.shape == (1, 4, 3, 16) and c.filter is None
 
 
-def query_cache(budget=64, calib=8, **kw):
+def query_cache(budget=64, calib=8, max_rewind=None, **kw):
     from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=budget, qfilters_n_sink=1, qfilters_recent=2,
-                        qfilters_calib_tokens=calib, qfilters_filter_source="queries",
-                        qfilters_backend="reference", **kw)
-    c = QFiltersKVCache(cfg)
+                        qfilters_calib_tokens=calib, qfilters_filter_source="queries", **kw)
+    c = QFiltersKVCache(cfg, backend="reference", max_rewind=max_rewind)
     c.queries_observed = True  # as inside `observe_queries(model, caches)`
     return c
 
@@ -571,7 +569,7 @@ def test_trim_into_the_calibrating_call_replays_its_queries():
     q = mx.array((rng.standard_normal((1, 4, 10, 8)) + 0.7).astype(np.float32))
 
     def run(lengths):
-        c = query_cache(budget=6, calib=8, qfilters_max_rewind=4)
+        c = query_cache(budget=6, calib=8, max_rewind=4)
         start = 0
         for L in lengths:
             c.update_and_fetch(k[:, :, start:start + L], k[:, :, start:start + L])

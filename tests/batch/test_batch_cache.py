@@ -24,6 +24,7 @@ from helpers.batch_helpers import (
     prompts,
     tiny_llama,
 )
+from qfilters_mlx import CompressOnce
 from qfilters_mlx.cache.batch import BatchQFiltersCache
 from qfilters_mlx.cache.builder import KVCacheBuilder
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache
@@ -231,7 +232,7 @@ def test_compress_once_rows_batch_like_alone():
     """Compress-once caches in a batch: each row compresses at its own prompt end
     (the first single-token call after its prefill) and then grows, exactly as alone."""
     model = tiny_llama()
-    cfg = config(qfilters_mode="compress_once", qfilters_compression_ratio=0.5, qfilters_recent=None)
+    cfg = config(mode=CompressOnce(ratio=0.5), qfilters_recent=None)
     KVCacheBuilder.install(model, cfg)
     rows = prompts([40, 9, 70])
     toks, caches, lps = batched(model, rows, 8)

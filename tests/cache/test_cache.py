@@ -11,15 +11,16 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from helpers.cache_model import CacheModel, model_keep, model_scores
 from helpers.oracle import np_attention, np_keep_rows, np_random_scores
-from qfilters_mlx import KVCacheConfig, QFiltersKVCache
+from qfilters_mlx import CompressOnce, KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.backends.dispatch import get_backend
 
 
-def make(method="qfilters", budget=16, n_sink=2, recent=4, calib=8, sign=1, source="keys", **kw):
+def make(method="qfilters", budget=16, n_sink=2, recent=4, calib=8, sign=1, source="keys",
+         max_rewind=None, **kw):
     cfg = KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=n_sink,
                         qfilters_recent=recent, qfilters_calib_tokens=calib, qfilters_sign=sign,
-                        qfilters_filter_source=source, qfilters_backend="reference", **kw)
-    return QFiltersKVCache(cfg)
+                        qfilters_filter_source=source, **kw)
+    return QFiltersKVCache(cfg, backend="reference", max_rewind=max_rewind)
 
 
 def rand_kv(seed, B=1, H=2, T=40, D=16, dtype=mx.float32):
@@ -229,22 +230,22 @@ def test_make_mask_window_before_eviction_and_streaming():
 # ---------------------------------------------------------------- trim
 def test_trim_before_and_after_eviction():
     k, v = rand_kv(13, T=30)
-    c = make(budget=8, n_sink=2, recent=2, calib=4, qfilters_max_rewind=4)
+    c = make(budget=8, n_sink=2, recent=2, calib=4, max_rewind=4)
     c.update_and_fetch(k[:, :, :20], v[:, :, :20])
-    assert c.evicted and c.is_trimmable()  # rewinds within qfilters_max_rewind are exact
+    assert c.evicted and c.is_trimmable()  # rewinds within max_rewind are exact
     snap = (c.offset, c.size(), kept(c).copy())
     assert c.trim(-5) == 0 and (c.offset, c.size()) == snap[:2]
     with pytest.raises(ValueError, match="cannot rewind 5 tokens"):  # deeper than the journal
         c.trim(5)
     assert (c.offset, c.size()) == snap[:2] and np.array_equal(kept(c), snap[2])
     assert c.trim(3) == 3 and c.offset == 17  # as if only 17 tokens had been fed
-    ref = make(budget=8, n_sink=2, recent=2, calib=4, qfilters_max_rewind=4)
+    ref = make(budget=8, n_sink=2, recent=2, calib=4, max_rewind=4)
     ref.update_and_fetch(k[:, :, :17], v[:, :, :17])
     np.testing.assert_array_equal(kept(c), kept(ref))
 
-    c = make(budget=64, calib=4, qfilters_max_rewind=0)
+    c = make(budget=64, calib=4, max_rewind=0)
     c.update_and_fetch(k[:, :, :20], v[:, :, :20])
-    assert not c.is_trimmable()  # qfilters_max_rewind=0: mlx-lm never trims it (see test_no_silent_rewind)
+    assert not c.is_trimmable()  # max_rewind=0: mlx-lm never trims it (see test_no_silent_rewind)
     assert c.trim(-5) == 0 and c.offset == 20
     assert c.trim(3) == 3 and c.offset == 17 and c.size() == 17
     out_k, _ = c.update_and_fetch(k[:, :, 17:18], v[:, :, 17:18])
@@ -441,20 +442,19 @@ def int_data(T, seed=0, H=H, D=D):
 
 def fixed_cache(f, budget=12, n_sink=2, recent=2, depth=0, backend="reference", **kw):
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=budget, qfilters_n_sink=n_sink,
-                        qfilters_recent=recent, qfilters_max_rewind=depth, qfilters_backend=backend, **kw)
-    return QFiltersKVCache(cfg, filters=mx.array(f))
+                        qfilters_recent=recent, **kw)
+    return QFiltersKVCache(cfg, filters=mx.array(f), max_rewind=depth, backend=backend)
 
 
-def observed_query_cache(seed, T, Tq, **kw):
-    """A query-calibrating cache (reference backend, config ``kw``) as inside an
+def observed_query_cache(seed, T, Tq, max_rewind=None, **kw):
+    """A query-calibrating cache (reference backend, ``max_rewind``, config ``kw``) as inside an
     ``observe_queries`` block, with Gaussian keys ``[1, H, T, D]`` and GQA queries
     ``[1, 2 H, Tq, D]`` (float32 MLX): ``(cache, keys, queries)``."""
-    cfg = KVCacheConfig(method="qfilters", qfilters_filter_source="queries",
-                        qfilters_backend="reference", **kw)
+    cfg = KVCacheConfig(method="qfilters", qfilters_filter_source="queries", **kw)
     rng = np.random.default_rng(seed)
     k = mx.array(rng.standard_normal((1, H, T, D)).astype(np.float32))
     q = mx.array(rng.standard_normal((1, 2 * H, Tq, D)).astype(np.float32))
-    c = QFiltersKVCache(cfg)
+    c = QFiltersKVCache(cfg, backend="reference", max_rewind=max_rewind)
     c.queries_observed = True  # as inside observe_queries
     return c, k, q
 
@@ -514,31 +514,31 @@ def bytes_at(cap, B=1, itemsize=4, filter_=True):
 
 # --------------------------------------------------------------- constructor
 def test_constructor_rejects_each_bad_filters_naming_the_argument():
-    cfg = KVCacheConfig(method="qfilters", head_dim=D, qfilters_budget=8, qfilters_backend="reference")
+    cfg = KVCacheConfig(method="qfilters", head_dim=D, qfilters_budget=8)
     shape_err = r"^filters must be an mx.array \[H_kv, D\], got "
     with pytest.raises(ValueError, match=shape_err + r"\(2, 8\)$"):
         QFiltersKVCache(cfg, filters=np.ones((H, D), np.float32))  # numpy, right shape
     with pytest.raises(ValueError, match=shape_err + r"list$"):
-        QFiltersKVCache(cfg, filters=[[1.0] * D] * H)
+        QFiltersKVCache(cfg, filters=[[1.0] * D] * H, backend="reference")
     with pytest.raises(ValueError, match=shape_err + r"\(1, 2, 8\)$"):
         QFiltersKVCache(cfg, filters=mx.ones((1, H, D)))  # an mx.array of the wrong rank
     with pytest.raises(TypeError, match=r"^filters must be floating point, got mlx.core.int32$"):
-        QFiltersKVCache(cfg, filters=mx.ones((H, D), mx.int32))
+        QFiltersKVCache(cfg, filters=mx.ones((H, D), mx.int32), backend="reference")
     with pytest.raises(ValueError, match=r"^filters head_dim 4 != config.head_dim 8$"):
-        QFiltersKVCache(cfg, filters=mx.ones((H, 4)))
+        QFiltersKVCache(cfg, filters=mx.ones((H, 4)), backend="reference")
     # The right shape is accepted (with and without head_dim), stored as float32, unscaled.
     f = np.arange(H * D, dtype=np.float32).reshape(H, D) / 8
-    for config in (cfg, KVCacheConfig(method="qfilters", qfilters_budget=8, qfilters_backend="reference")):
-        c = QFiltersKVCache(config, filters=mx.array(f).astype(mx.float16))
+    for config in (cfg, KVCacheConfig(method="qfilters", qfilters_budget=8)):
+        c = QFiltersKVCache(config, filters=mx.array(f).astype(mx.float16), backend="reference")
         assert c.filter.dtype == mx.float32 and c.filter_fixed and c.scoring_ready
         np.testing.assert_array_equal(np.array(c.filter), f)
     # No filters: refused where the config scores with the calibrated filter (the default
     # source), accepted for the online sources and for the methods that need no filter.
     with pytest.raises(ValueError, match="qfilters_filter_source='calibrated' .* pass filters="):
-        QFiltersKVCache(cfg)
+        QFiltersKVCache(cfg, backend="reference")
     for ok in (replace(cfg, qfilters_filter_source="keys", qfilters_sign=None),
                replace(cfg, method="l2norm"), replace(cfg, method="streaming_llm")):
-        assert QFiltersKVCache(ok).filter is None
+        assert QFiltersKVCache(ok, backend="reference").filter is None
 
 
 def test_default_layer_is_layer_zero_for_the_random_arm():
@@ -547,8 +547,8 @@ def test_default_layer_is_layer_zero_for_the_random_arm():
     T, seed = 40, 9
     k, v, _ = int_data(T, seed=1)
     cfg = KVCacheConfig(method="random", qfilters_budget=10, qfilters_n_sink=1, qfilters_recent=2,
-                        qfilters_seed=seed, qfilters_backend="reference")
-    c = QFiltersKVCache(cfg)
+                        qfilters_seed=seed)
+    c = QFiltersKVCache(cfg, backend="reference")
     feed_cache(c, k, v, [25, 15])
     assert c.layer_idx == 0
     expected = np_random_scores(H, T, seed, 0)
@@ -565,11 +565,11 @@ def test_a_trim_back_into_calibration_waits_for_the_next_calls_queries_only():
     before the trim) and re-estimates the filter exactly as a cache that never saw the
     trimmed tokens (both fed the same kept queries and the same new call)."""
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=16, qfilters_calib_tokens=8,
-                        qfilters_filter_source="queries", qfilters_backend="reference")
+                        qfilters_filter_source="queries")
     rng = np.random.default_rng(41)
     k = mx.array(rng.integers(-4, 5, size=(1, H, 16, D)).astype(np.float32))
     q = mx.array(rng.integers(-4, 5, size=(1, 2 * H, 16, D)).astype(np.float32))
-    c, fresh = QFiltersKVCache(cfg), QFiltersKVCache(cfg)
+    c, fresh = QFiltersKVCache(cfg, backend="reference"), QFiltersKVCache(cfg, backend="reference")
     c.queries_observed = fresh.queries_observed = True  # as inside observe_queries
     for a, b in ((0, 10), (10, 11)):  # calibrates at 10 tokens, then a call owing nothing
         c.update_and_fetch(k[:, :, a:b], k[:, :, a:b])
@@ -591,11 +591,11 @@ def test_queries_of_no_tokens_after_a_trim_to_nothing_keep_nothing():
     shown an empty block of queries: it keeps no queries (``None``, as a new cache), not an
     empty array, and calibrates from the next calls' queries as a new cache does."""
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=16, qfilters_calib_tokens=4,
-                        qfilters_filter_source="queries", qfilters_backend="reference")
+                        qfilters_filter_source="queries")
     rng = np.random.default_rng(43)
     k = mx.array(rng.standard_normal((1, H, 6, D)).astype(np.float32))
     q = mx.array(rng.standard_normal((1, 2 * H, 6, D)).astype(np.float32))
-    c, fresh = QFiltersKVCache(cfg), QFiltersKVCache(cfg)
+    c, fresh = QFiltersKVCache(cfg, backend="reference"), QFiltersKVCache(cfg, backend="reference")
     c.queries_observed = fresh.queries_observed = True  # as inside observe_queries
     c.update_and_fetch(k[:, :, :3], k[:, :, :3])
     assert c.trim(3) == 3 and c.offset == 0
@@ -611,8 +611,8 @@ def test_query_calibrated_cache_refuses_updates_outside_observe_queries():
     """README: a cache estimating its filter from queries must run inside observe_queries;
     a fresh one (never observed) raises before storing anything."""
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=8, qfilters_calib_tokens=4,
-                        qfilters_filter_source="queries", qfilters_backend="reference")
-    c = QFiltersKVCache(cfg)
+                        qfilters_filter_source="queries")
+    c = QFiltersKVCache(cfg, backend="reference")
     k = mx.ones((1, H, 3, D))
     with pytest.raises(ValueError, match=r"observe_queries\(model, caches\)"):
         c.update_and_fetch(k, k)
@@ -667,11 +667,11 @@ def test_a_budgeted_cache_never_holds_more_than_the_budget_plus_the_chunk(chunks
 
 def test_compress_once_growth_appends_into_step_blocks():
     """Compress-once: the compression keeps exactly K rows; later tokens are appended (no
-    eviction without qfilters_growth) into buffers grown in 256-row blocks."""
+    eviction without ``CompressOnce.growth``) into buffers grown in 256-row blocks."""
     k, v, f = int_data(40, seed=3)
-    cfg = KVCacheConfig(method="qfilters", qfilters_mode="compress_once", qfilters_compress_at="manual",
-                        qfilters_budget=8, qfilters_n_sink=2, qfilters_recent=2, qfilters_backend="reference")
-    c = QFiltersKVCache(cfg, filters=mx.array(f))
+    cfg = KVCacheConfig(method="qfilters", mode=CompressOnce(at="manual"), qfilters_budget=8,
+                        qfilters_n_sink=2, qfilters_recent=2)
+    c = QFiltersKVCache(cfg, filters=mx.array(f), backend="reference")
     feed_cache(c, k, v, [20])
     assert c.compress() == 8 and c.nbytes == bytes_at(8)
     feed_cache(c, k, v, [5, 1], start=20)
@@ -717,7 +717,7 @@ def test_rewind_after_eviction_keeps_the_eviction_flag_and_the_journal_reach():
     assert a.evicted is True and a.is_trimmable()
     assert a.rewindable_tokens == 3  # the one record left (3 tokens)
     before = observable(a)
-    with pytest.raises(ValueError, match=r"cannot rewind 4 tokens after an eviction.*qfilters_max_rewind=6"):
+    with pytest.raises(ValueError, match=r"cannot rewind 4 tokens after an eviction.*max_rewind=6"):
         a.trim(4)
     after = observable(a)
     assert after[1:] == before[1:]
@@ -775,13 +775,13 @@ def test_cpp_backend_scores_do_not_depend_on_chunking():
 
 
 def test_prompt_end_trigger_compresses_before_the_first_single_token_call():
-    """compression.py: with ``qfilters_compress_at="prompt_end"`` (the default) the first
+    """compression.py: with ``CompressOnce(at="prompt_end")`` (the default) the first
     single-token call after a multi-token one compresses the stored tokens (not itself), then
     the token is appended; single-token calls before any chunk never compress."""
     k, v, f = int_data(30, seed=8)
-    cfg = KVCacheConfig(method="qfilters", qfilters_mode="compress_once", qfilters_budget=8,
-                        qfilters_n_sink=2, qfilters_recent=2, qfilters_backend="reference")
-    c = QFiltersKVCache(cfg, filters=mx.array(f))
+    cfg = KVCacheConfig(method="qfilters", mode=CompressOnce(), qfilters_budget=8,
+                        qfilters_n_sink=2, qfilters_recent=2)
+    c = QFiltersKVCache(cfg, filters=mx.array(f), backend="reference")
     feed_cache(c, k, v, [1, 1])  # no chunk yet: kept as they come
     assert not c.compressed and c.size() == 2
     feed_cache(c, k, v, [13], start=2)
@@ -801,7 +801,7 @@ def test_full_cache_never_evicts_its_window_mask_is_mlx_lms_and_an_evicted_state
     import json
 
     k, v, _ = int_data(40, seed=5)
-    c = QFiltersKVCache(KVCacheConfig(method="full", qfilters_budget=8, qfilters_backend="reference"))
+    c = QFiltersKVCache(KVCacheConfig(method="full", qfilters_budget=8), backend="reference")
     feed_cache(c, k, v, [20, 1, 1, 1])
     assert c.size() == c.offset == 23 and not c.evicted and c.is_trimmable()
     np.testing.assert_array_equal(np.array(c.state[0]), k[:, :, :23])

@@ -3,7 +3,7 @@ independent numpy model of ``tests/helpers/cache_model.py``, compared after ever
 
 Sequences mix multi-token prefill chunks of random sizes, single-token decode
 steps (slot mode after an eviction), ``trim`` (before an eviction: a plain trim;
-after it: an exact rewind within ``qfilters_max_rewind``, else a ValueError
+after it: an exact rewind within ``max_rewind``, else a ValueError
 that changes nothing), mlx-lm prompt-cache save/load, ``copy.deepcopy`` (the
 original is then fed a token that must not reach the copy) and
 ``kept_positions()`` at random points, including mid-decode after evictions.
@@ -87,9 +87,9 @@ class Driver:
         filt = self.rng.integers(-4, 5, size=(H, D)).astype(np.float32) / 2
         cfg = KVCacheConfig(method=s["method"], qfilters_budget=s["budget"], qfilters_n_sink=s["n_sink"],
                             qfilters_recent=s["recent"], qfilters_sign=s["sign"],
-                            qfilters_filter_source="keys", qfilters_backend=backend,
-                            qfilters_max_rewind=s["max_rewind"], qfilters_calib_tokens=1)
-        self.cache = QFiltersKVCache(cfg, filters=mx.array(filt) if s["method"] == "qfilters" else None)
+                            qfilters_filter_source="keys", qfilters_calib_tokens=1)
+        self.cache = QFiltersKVCache(cfg, filters=mx.array(filt) if s["method"] == "qfilters" else None,
+                                     backend=backend, max_rewind=s["max_rewind"])
         self.model = CacheModel(s["method"], s["budget"], s["n_sink"], cfg.protected_recent,
                                 filters=filt, sign=cfg.score_sign)
         self.fresh = 0  # tokens fed since the cache was built, loaded or rewound
@@ -142,7 +142,7 @@ class Driver:
             self.fresh = max(self.fresh - got, 0)
         elif n > c.rewindable_tokens:
             before = c.state
-            with pytest.raises(ValueError, match="qfilters_max_rewind"):
+            with pytest.raises(ValueError, match="max_rewind"):
                 c.trim(n)
             self.check(state=before)
         else:
@@ -180,8 +180,8 @@ class Driver:
             return
         want = m.kept()
         assert c.size() == want.shape[2]
-        if c.evicted and c.config.qfilters_max_rewind:
-            assert c.rewindable_tokens >= min(c.config.qfilters_max_rewind, self.fresh)
+        if c.evicted and c.max_rewind:
+            assert c.rewindable_tokens >= min(c.max_rewind, self.fresh)
         keys, values, scores, positions = (state or c.state)[:4]
         same_bits(np.array(positions), want, "kept positions")
         wk, wv, ws = m.rows(want)

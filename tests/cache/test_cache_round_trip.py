@@ -107,9 +107,8 @@ def test_round_trip_keeps_every_attribute_and_continues_bit_for_bit(backend, fil
     q = mx.array(rng.standard_normal((1, H_Q, 80, D)).astype(np.float32))
     given = mx.array(rng.standard_normal((H_KV, D)).astype(np.float32)) if filters == "fixed" else None
     cfg = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=3, qfilters_calib_tokens=20,
-                        qfilters_backend=backend,
                         qfilters_filter_source="keys" if filters == "keys" else "queries")
-    c = QFiltersKVCache(cfg, layer_idx=3, filters=given)
+    c = QFiltersKVCache(cfg, layer_idx=3, filters=given, backend=backend)
     prefill, steps = STAGES[stage]
     feed(c, k, v, q, 0, prefill, 7)
     feed(c, k, v, q, prefill, prefill + steps, 1)

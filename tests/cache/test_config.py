@@ -2,13 +2,15 @@
 flat spellings (deprecated: they warn once and map to the new ones)."""
 
 import dataclasses
+import json
 import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from qfilters_mlx import KVCacheBuilder, KVCacheConfig
+from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
+from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache, build_cache
 from qfilters_mlx.config import (DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_REWIND, BuildOptions,
                                  CompressOnce, Streaming, config_from_state, config_to_state,
                                  default_recent)
@@ -143,6 +145,19 @@ def test_old_spelling_errors_name_the_old_field():
         KVCacheConfig(kv_bits=4, qfilters_max_rewind=1)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_growth"):
         KVCacheConfig(qfilters_growth=3)  # streaming: would be ignored
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_mode"):
+        KVCacheConfig(qfilters_mode="once")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_compression_ratio"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_compression_ratio=1.0)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="qfilters_compression_ratio"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_compression_ratio="0.5")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError,
+                                                         match="qfilters_compression_ratio.*compress_once"):
+        KVCacheConfig(qfilters_compression_ratio=0.5)  # streaming mode: would be ignored
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_compress_at"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_compress_at="later")
+    with pytest.warns(DeprecationWarning):  # compress-once: no recent window
+        assert KVCacheConfig(qfilters_mode="compress_once").qfilters_recent == 0
 
 
 def test_a_keyword_and_a_deprecated_value_that_disagree_raise_naming_both():
@@ -252,3 +267,84 @@ def test_build_keywords_reach_every_cache_like_the_old_spelling():
     KVCacheBuilder.install(model, cfg, backend="reference", max_rewind=3)
     fresh = model.make_cache()
     assert {c.backend.name for c in fresh} == {"reference"} and fresh[0].size() == 0
+
+
+# ------------------------------------------------ the cache constructors, as the old spelling
+D = 64
+CHUNKS = [12, 20, 1, 1, 1, 5, 1, 1, 1]
+
+
+def config(**kw):
+    """A key-SVD configuration (``kw``: more fields, or the deprecated spellings)."""
+    return KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=4, **KEYS,
+                         qfilters_calib_tokens=8, qfilters_sign=-1, **kw)
+
+
+def kv(seed, T=sum(CHUNKS)):
+    mx.random.seed(seed)
+    return mx.random.normal((1, 2, T, D)).astype(mx.float16), mx.random.normal((1, 2, T, D)).astype(mx.float16)
+
+
+def feed(caches, k, v, chunks=CHUNKS):
+    """Feed the same calls to every cache; yield each call's outputs (one per cache)."""
+    t = 0
+    for n in chunks:
+        yield [c.update_and_fetch(k[:, :, t : t + n], v[:, :, t : t + n]) for c in caches]
+        t += n
+
+
+def same(a, b) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and bool(mx.array_equal(a, b))
+
+
+def test_kv_bits_config_is_refused_by_the_dense_class_and_picked_by_build_cache():
+    with pytest.deprecated_call():
+        cfg = config(kv_bits=8)
+    with pytest.raises(ValueError, match="QuantizedQFiltersKVCache.*build_cache"):
+        QFiltersKVCache(cfg)
+    q = build_cache(cfg, layer_idx=3)
+    assert type(q) is QuantizedQFiltersKVCache and (q.bits, q.group_size, q.layer_idx) == (8, 64, 3)
+    plain = build_cache(config())
+    assert type(plain) is QFiltersKVCache and not hasattr(plain, "bits")
+    with pytest.raises(TypeError, match="KVCacheConfig, got dict"):
+        build_cache({"kv_bits": 8})
+
+
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32)])
+def test_bits_given_to_the_constructor_equal_bits_from_the_config(bits, group_size):
+    k, v = kv(1)
+    given = QuantizedQFiltersKVCache(config(), bits=bits, group_size=group_size)
+    with pytest.deprecated_call():
+        from_config = QuantizedQFiltersKVCache(config(kv_bits=bits, kv_group_size=group_size))
+    for a, b in feed([given, from_config], k, v):
+        assert same(a, b)
+    assert (given.bits, given.group_size) == (bits, group_size) and given.evicted
+    sa, sb = given.state, from_config.state
+    assert all(same(x, y) for x, y in zip(sa[:6], sb[:6]) if x is not None)
+    saved = config_from_state(json.loads(sa[6])["config"])[1]  # saved: what the cache uses
+    assert (saved.kv_bits, saved.kv_group_size) == (bits, group_size)
+    loaded = QuantizedQFiltersKVCache.from_state(sa)
+    assert (loaded.bits, loaded.group_size) == (bits, group_size)
+
+
+def test_max_rewind_and_backend_given_to_the_constructor_equal_the_config_fields():
+    k, v = kv(2)
+    given = QFiltersKVCache(config(), backend="reference", max_rewind=4)
+    with pytest.deprecated_call():
+        from_config = QFiltersKVCache(config(qfilters_backend="reference", qfilters_max_rewind=4))
+    assert given.backend.name == "reference" and given.max_rewind == 4 and given.is_trimmable()
+    assert not QFiltersKVCache(config(), max_rewind=0).is_trimmable()
+    for a, b in feed([given, from_config], k, v):
+        assert same(a, b)
+    assert given.trim(3) == from_config.trim(3) == 3
+    np.testing.assert_array_equal(np.array(given.kept_positions()), np.array(from_config.kept_positions()))
+    with pytest.raises(ValueError, match="max_rewind=4"):  # the rewind depth in use
+        given.trim(10)
+    saved = config_from_state(json.loads(given.state[6])["config"])[1]
+    assert saved == BuildOptions(backend="reference", max_rewind=4)
+    loaded = QFiltersKVCache.from_state(given.state)
+    assert loaded.max_rewind == 4 and loaded.backend.name == "reference"

@@ -25,7 +25,6 @@ from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
         (dict(qfilters_sign=2), "qfilters_sign"),
         (dict(qfilters_sign=True), "qfilters_sign"),
         (dict(method="h2o"), "method"),
-        (dict(qfilters_backend="cuda"), "qfilters_backend"),
         (dict(head_dim=0), "head_dim"),
     ],
 )
@@ -50,12 +49,12 @@ def test_streaming_llm_window_is_budget_minus_sinks():
 def test_metal_backend_is_built_on_metal_and_refused_clearly_elsewhere():
     """backend="metal" works where MLX has a Metal GPU (a Mac) and raises at construction,
     naming the backend and the cause, everywhere else."""
-    cfg = KVCacheConfig(qfilters_backend="metal", qfilters_recent=0, qfilters_filter_source="keys")
+    cfg = KVCacheConfig(qfilters_recent=0, qfilters_filter_source="keys")
     if mx.metal.is_available():
-        assert QFiltersKVCache(cfg).backend.name == "metal"
+        assert QFiltersKVCache(cfg, backend="metal").backend.name == "metal"
     else:
         with pytest.raises(ValueError, match=r"backend='metal' is not available: this MLX has no Metal GPU"):
-            QFiltersKVCache(cfg)
+            QFiltersKVCache(cfg, backend="metal")
 
 
 def tiny_llama(n_kv_heads=2, head_dim=None, layers=2, heads=4, hidden=64):
@@ -105,6 +104,30 @@ def test_head_dim_checked_and_inferred():
         KVCacheBuilder.for_model(model, KVCacheConfig(head_dim=128, qfilters_recent=0, qfilters_filter_source="keys"))
     with pytest.raises(TypeError, match="config"):
         KVCacheBuilder.for_model(model, {"method": "qfilters"})
+
+
+@pytest.mark.parametrize("recent", [4, [[4, 5]] * 30], ids=["one window", "per-head table"])
+def test_building_a_model_s_caches_validates_the_config_once(monkeypatch, recent):
+    """A 30-layer model's caches: the per-layer copies (head_dim, the layer's row of a
+    per-head table) are not validated again; only the throwaway trial caches' one config is."""
+    import qfilters_mlx.config.method as method
+
+    model = tiny_llama(layers=30)
+    cfg = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=recent,
+                        qfilters_filter_source="keys")
+    calls = []
+    resolved = method._resolved
+    monkeypatch.setattr(method, "_resolved", lambda values: calls.append(1) or resolved(values))
+    caches = KVCacheBuilder.for_model(model, cfg, backend="reference")
+    assert len(calls) == 1
+    rows = [c.config for c in caches]
+    assert [c.head_dim for c in rows] == [16] * 30 and {c.qfilters_budget for c in rows} == {16}
+    want = [4] * 30 if recent == 4 else [(4, 5)] * 30
+    assert [c.qfilters_recent for c in rows] == want
+    assert rows[0] == KVCacheConfig(head_dim=16, qfilters_budget=16, qfilters_n_sink=2,
+                                    qfilters_recent=want[0], qfilters_filter_source="keys")
+    with pytest.raises(ValueError, match="head_dim"):
+        cfg.with_head_dim(0)
 
 
 def test_gqa_32_query_heads_over_8_kv_heads():

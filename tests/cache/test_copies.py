@@ -27,10 +27,9 @@ def available_backends():
     return out
 
 
-def config(backend="auto", method="qfilters", **kw):
+def config(method="qfilters", **kw):
     base = dict(method=method, qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
-                qfilters_calib_tokens=8, qfilters_backend=backend, qfilters_max_rewind=16,
-                qfilters_filter_source="keys")
+                qfilters_calib_tokens=8, qfilters_filter_source="keys")
     return KVCacheConfig(**{**base, **kw})
 
 
@@ -57,7 +56,7 @@ def assert_runs_equal(a, b):
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_are_independent_and_continue_bit_for_bit(backend, how):
     k, v = rand_kv(1)
-    c = QFiltersKVCache(config(backend), layer_idx=1)
+    c = QFiltersKVCache(config(), layer_idx=1, backend=backend, max_rewind=16)
     c.update_and_fetch(k[:, :, :30], v[:, :, :30])
     run(c, k, v, 30, 40)  # mid-decode: slot mode, journal filled
     d = copy.deepcopy(c) if how == "deepcopy" else pickle.loads(pickle.dumps(c))
@@ -79,7 +78,7 @@ def test_deepcopy_of_a_prompt_cache_list_with_the_cpp_backend():
     if "cpp" not in available_backends():
         pytest.skip("the compiled extension is not installed")
     k, v = rand_kv(2)
-    caches = [QFiltersKVCache(config("cpp"), i) for i in range(2)]
+    caches = [QFiltersKVCache(config(), i, backend="cpp", max_rewind=16) for i in range(2)]
     for c in caches:
         c.update_and_fetch(k[:, :, :20], v[:, :, :20])
     copies = copy.deepcopy(caches)
@@ -101,7 +100,7 @@ def tiny_llama(seed=0):
 
 MODEL = tiny_llama()
 CFG = KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2, qfilters_calib_tokens=8,
-                    qfilters_filter_source="keys", qfilters_max_rewind=16)
+                    qfilters_filter_source="keys")
 
 
 def greedy(caches, first, steps):
@@ -117,7 +116,7 @@ def greedy(caches, first, steps):
 
 def test_saved_mid_decode_reloads_and_continues_bit_for_bit(tmp_path):
     prompt = mx.array(np.random.default_rng(0).integers(0, 61, 30), dtype=mx.uint32)
-    caches = KVCacheBuilder.for_model(MODEL, CFG)
+    caches = KVCacheBuilder.for_model(MODEL, CFG, max_rewind=16)
     MODEL(prompt[None, :-1], cache=caches)
     toks, _ = greedy(caches, int(prompt[-1]), 7)  # slot mode now
     assert all(c._free is not None for c in caches)
@@ -136,7 +135,7 @@ def test_saved_mid_decode_reloads_and_continues_bit_for_bit(tmp_path):
 
 
 def test_load_prompt_cache_after_plain_import_without_importing_mlx(tmp_path):
-    caches = KVCacheBuilder.for_model(MODEL, CFG)
+    caches = KVCacheBuilder.for_model(MODEL, CFG, max_rewind=16)
     MODEL(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]], mx.uint32), cache=caches)
     path = str(tmp_path / "c.safetensors")
     save_prompt_cache(path, caches)
@@ -155,9 +154,9 @@ def test_load_prompt_cache_after_plain_import_without_importing_mlx(tmp_path):
 # ------------------------------------------------------------------- kv_bits
 def test_kv_bits_with_rewind_is_refused_clearly():
     """kv_bits works (tests/cache/test_quantized.py) but not with a rewind journal (max_rewind 16)."""
-    caches = KVCacheBuilder.for_model(MODEL, CFG)
+    caches = KVCacheBuilder.for_model(MODEL, CFG, max_rewind=16)
     prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8], mx.uint32)
-    with pytest.raises(ValueError, match="kv_bits=4 needs qfilters_max_rewind=0"):
+    with pytest.raises(ValueError, match="kv_bits=4 needs .*max_rewind=0"):
         list(generate_step(prompt, MODEL, max_tokens=3, prompt_cache=caches, kv_bits=4,
                            quantized_kv_start=0))
 
@@ -166,10 +165,10 @@ def test_kv_bits_with_rewind_is_refused_clearly():
 def test_lru_prompt_cache_second_request_sharing_a_prefix():
     """mlx_lm.server: after a first request the cache is stored under its tokens; a second
     request that diverges 3 tokens before the end fetches a deep copy trimmed by 3 (within
-    qfilters_max_rewind): it continues exactly like the first run's cache at that point, and
+    max_rewind): it continues exactly like the first run's cache at that point, and
     the stored entry is unchanged. A divergence deeper than the journal raises clearly."""
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 61, 25)]
-    caches = KVCacheBuilder.for_model(MODEL, CFG)
+    caches = KVCacheBuilder.for_model(MODEL, CFG, max_rewind=16)
     MODEL(mx.array(prompt[:-1], mx.uint32)[None], cache=caches)
     y, tokens, snapshot = prompt[-1], list(prompt), None
     for _ in range(10):  # the first request's decode steps (tokens fed = tokens[:-1])
@@ -223,10 +222,10 @@ def test_lru_prompt_cache_with_the_default_depth_falls_back_to_a_stored_prefix()
     (never a failed request), which continues exactly like the prefix's own cache."""
     cfg = KVCacheConfig(qfilters_budget=12, qfilters_n_sink=2, qfilters_recent=2,
                         qfilters_calib_tokens=8, qfilters_filter_source="keys")
-    assert cfg.qfilters_max_rewind == "auto"
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 61, 20)]
     lru = LRUPromptCache()
     short = KVCacheBuilder.for_model(MODEL, cfg)
+    assert short[0].max_rewind == "auto"
     MODEL(mx.array(prompt, mx.uint32)[None], cache=short)
     assert all(c.evicted and not c.is_trimmable() for c in short)
     reference = copy.deepcopy(short)

@@ -87,8 +87,8 @@ def test_nonfinite_keys_rank_lowest():
     k[0, 0, 14, 3] = -np.inf
     for method in ("qfilters", "l2norm"):
         cfg = KVCacheConfig(method=method, qfilters_budget=20, qfilters_n_sink=1,
-                            qfilters_calib_tokens=8, qfilters_backend="reference", qfilters_recent=0, qfilters_filter_source="keys")
-        c = QFiltersKVCache(cfg)
+                            qfilters_calib_tokens=8, qfilters_recent=0, qfilters_filter_source="keys")
+        c = QFiltersKVCache(cfg, backend="reference")
         c.update_and_fetch(mx.array(k), mx.array(k))
         kept = set(np.array(c.kept_positions())[0, 0].tolist())
         assert not kept & {10, 12, 14}, (method, kept)

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 
 from helpers import arch_matrix
 from helpers.batch_helpers import alone, batched, prompts
-from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
+from qfilters_mlx import CompressOnce, KVCacheBuilder, KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.cache.batch import BatchQFiltersCache
 from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
 from qfilters_mlx.model_info import default_caches, walk
@@ -40,9 +40,10 @@ BASE = dict(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=0, qfilters_c
 KINDS = {
     "streaming": {},
     "streaming_llm": {"method": "streaming_llm"},
-    "compress_once": {"qfilters_mode": "compress_once", "qfilters_compression_ratio": 0.5},
+    "compress_once": {"mode": CompressOnce(ratio=0.5)},
 }
-QUANTIZED = KVCacheConfig(**{**BASE, "kv_bits": 8, "kv_group_size": 32})
+QUANTIZED = dict(kv_bits=8, kv_group_size=32)  # build options of the quantized caches
+QUANTIZED_CACHE = dict(bits=8, group_size=32)  # the same, as QuantizedQFiltersKVCache's keywords
 
 
 def spec(caches, n_draft=3, prompt=None, max_tokens=20):
@@ -58,7 +59,8 @@ def test_speculative_decoding_with_a_cache_that_cannot_rewind_is_refused_before_
     config = KVCacheConfig(**{**BASE, **KINDS[kind]})
     caches = KVCacheBuilder.for_model(MAIN, config, max_rewind=0) + make_prompt_cache(DRAFT)
     assert not any(c.is_trimmable() for c in caches[:2])
-    assert not QuantizedQFiltersKVCache(QUANTIZED).is_trimmable()  # (MAIN's head_dim 8 < group 32)
+    # (MAIN's head_dim 8 < group 32)
+    assert not QuantizedQFiltersKVCache(KVCacheConfig(**BASE), **QUANTIZED_CACHE).is_trimmable()
     with pytest.raises(ValueError, match="trimmable prompt cache.*QFiltersKVCache"):
         spec(caches)
     assert [c.offset for c in caches] == [0, 0, 0]  # nothing fed
@@ -81,10 +83,10 @@ def test_speculative_through_make_cache_is_refused_before_the_prompt():
 
 
 def test_speculative_with_a_journal_shallower_than_the_drafts_raises_naming_the_field():
-    """qfilters_max_rewind=1 with 3 draft tokens: the first rewind deeper than the journal after
-    an eviction raises naming qfilters_max_rewind (never a skipped trim)."""
-    caches = KVCacheBuilder.for_model(MAIN, KVCacheConfig(**BASE, qfilters_max_rewind=1))
-    with pytest.raises(ValueError, match="qfilters_max_rewind=1"):
+    """max_rewind=1 with 3 draft tokens: the first rewind deeper than the journal after
+    an eviction raises naming max_rewind (never a skipped trim)."""
+    caches = KVCacheBuilder.for_model(MAIN, KVCacheConfig(**BASE), max_rewind=1)
+    with pytest.raises(ValueError, match="max_rewind=1"):
         spec(caches + make_prompt_cache(DRAFT))
 
 
@@ -92,9 +94,9 @@ def test_trim_prompt_cache_never_skips_a_cache_that_says_trimmable():
     """Through mlx-lm's trim_prompt_cache: a cache that cannot rewind reports 0 trimmed and is
     unchanged; one that can (method full, or within the journal) trims exactly n."""
     k, v = rand_kv(4)
-    for config, want in [(KVCacheConfig(**BASE), 0), (KVCacheConfig(method="full", **BASE), 3),
-                         (KVCacheConfig(**BASE, qfilters_max_rewind=4), 3)]:
-        c = QFiltersKVCache(config)
+    for config, depth, want in [(KVCacheConfig(**BASE), None, 0),
+                                (KVCacheConfig(method="full", **BASE), None, 3), (KVCacheConfig(**BASE), 4, 3)]:
+        c = QFiltersKVCache(config, max_rewind=depth)
         c.update_and_fetch(k[:, :, :30], v[:, :, :30])
         for t in range(30, 36):
             c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -132,9 +134,9 @@ def test_server_prompt_cache_never_trims_what_it_cannot_and_never_raises():
 
 
 # ------------------------------------------------------------------ batch caches
-def _row(config, n, seed):
+def _row(config, n, seed, max_rewind=None):
     k, v = rand_kv(seed, T=n)
-    c = QFiltersKVCache(config)
+    c = QFiltersKVCache(config, max_rewind=max_rewind)
     c.update_and_fetch(k[:, :, : n - 4], v[:, :, : n - 4])
     for t in range(n - 4, n):
         c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -143,10 +145,10 @@ def _row(config, n, seed):
 
 @pytest.mark.parametrize("case", ["short_row", "journal_used_up"])
 def test_batch_trim_changes_no_row_unless_every_row_can(case):
-    config = KVCacheConfig(**{**BASE, "qfilters_max_rewind": 4})
-    rows = [_row(config, 40, 1), _row(config, 40, 2)]
+    config = KVCacheConfig(**BASE)
+    rows = [_row(config, 40, 1, 4), _row(config, 40, 2, 4)]
     if case == "short_row":  # not evicted, 2 tokens: a trim of 3 would remove only 2
-        rows[1] = QFiltersKVCache(config)
+        rows[1] = QFiltersKVCache(config, max_rewind=4)
         k, v = rand_kv(3, T=2)
         rows[1].update_and_fetch(k, v)
     else:  # a rewind used the journal up
@@ -157,13 +159,13 @@ def test_batch_trim_changes_no_row_unless_every_row_can(case):
         batch.trim(3)
     for b, c in zip(before, rows):
         assert_unchanged(b, c)
-    ok = BatchQFiltersCache([_row(config, 40, 1), _row(config, 40, 2)])
+    ok = BatchQFiltersCache([_row(config, 40, 1, 4), _row(config, 40, 2, 4)])
     assert ok.trim(3) == 3 and [c.offset for c in ok.caches] == [37, 37]
 
 
 def test_batch_is_trimmable_follows_the_rows():
     assert not BatchQFiltersCache([_row(KVCacheConfig(**BASE), 20, 1)]).is_trimmable()
-    assert BatchQFiltersCache([_row(KVCacheConfig(**BASE, qfilters_max_rewind=2), 20, 1)]).is_trimmable()
+    assert BatchQFiltersCache([_row(KVCacheConfig(**BASE), 20, 1, 2)]).is_trimmable()
 
 
 def test_zero_token_batch_update_is_refused_like_the_single_cache():
@@ -196,11 +198,11 @@ def test_kv_bits_with_batch_generator_rows_equal_each_alone():
     attribute 'shape' in the first forward): every row's tokens, logprobs and kept positions
     equal the same prompt generated alone with its own quantized caches."""
     model = _head_dim_32_llama()
-    KVCacheBuilder.install(model, QUANTIZED)
+    KVCacheBuilder.install(model, KVCacheConfig(**BASE), **QUANTIZED)
     rows = prompts([5, 12, 40, 3])
     toks, caches, lps = batched(model, rows, 8)
     for i, p in enumerate(rows):
-        ref_toks, ref_caches, ref_lps = alone(model, p, QUANTIZED, 8)
+        ref_toks, ref_caches, ref_lps = alone(model, p, KVCacheConfig(**BASE), 8, **QUANTIZED)
         assert toks[i] == ref_toks, i
         np.testing.assert_allclose(np.stack([np.array(x) for x in lps[i]]),
                                    np.stack([np.array(x) for x in ref_lps]), atol=1e-4, rtol=2e-5)
@@ -237,8 +239,8 @@ def test_keys_and_values_are_what_the_last_update_returned():
     """mlx-lm's keys_and_values(): the keys/values the layer's last attention call got (stored ++
     new, before this call's eviction), also for quantized storage (packed tuples) and batches."""
     k, v = rand_kv(5, T=40, D=32)
-    quantized = QUANTIZED
-    caches = [QFiltersKVCache(KVCacheConfig(**BASE)) for _ in range(3)] + [QuantizedQFiltersKVCache(quantized)]
+    caches = [QFiltersKVCache(KVCacheConfig(**BASE)) for _ in range(3)] + [
+        QuantizedQFiltersKVCache(KVCacheConfig(**BASE), **QUANTIZED_CACHE)]
     for c in caches:
         c.keep_last_kv = True
     batch = BatchQFiltersCache(caches[1:3])
@@ -341,7 +343,7 @@ def test_auto_journal_turns_on_only_when_asked_before_the_first_eviction():
     with pytest.raises(ValueError, match="max_rewind='auto'"):
         deeper.trim(AUTO_REWIND + 1)
     assert_unchanged(before, deeper)
-    assert not QuantizedQFiltersKVCache(QUANTIZED).is_trimmable()
+    assert not QuantizedQFiltersKVCache(KVCacheConfig(**BASE), **QUANTIZED_CACHE).is_trimmable()
     assert not QFiltersKVCache(KVCacheConfig(**BASE), max_rewind=0).is_trimmable()
 
 

@@ -31,7 +31,7 @@ def test_round_trip_after_eviction(tmp_path, method, dtype):
     v = mx.array(rng.standard_normal((1, 2, 110, 16)).astype(np.float32)).astype(dtype)
     caches = [QFiltersKVCache(KVCacheConfig(method=method, qfilters_budget=32, qfilters_n_sink=2,
                                             qfilters_recent=4, qfilters_calib_tokens=20,
-                                            qfilters_backend="reference", qfilters_filter_source="keys"), layer_idx=i)
+                                            qfilters_filter_source="keys"), layer_idx=i, backend="reference")
               for i in range(2)]
     for c in caches:
         c.update_and_fetch(k[:, :, :100], v[:, :, :100])
@@ -59,13 +59,13 @@ def test_round_trip_after_eviction(tmp_path, method, dtype):
 
 
 def test_round_trip_offset_beyond_int32_and_empty_cache(tmp_path):
-    cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_calib_tokens=4,
-                        qfilters_backend="reference", qfilters_recent=0, qfilters_filter_source="keys")
-    big = QFiltersKVCache(cfg)
+    cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_calib_tokens=4, qfilters_recent=0,
+                        qfilters_filter_source="keys")
+    big = QFiltersKVCache(cfg, backend="reference")
     big.offset = 2**31 + 7  # as if that many tokens had been fed
     k = mx.ones((1, 1, 12, 8))
     big.update_and_fetch(k, k)
-    empty = QFiltersKVCache(cfg, layer_idx=1)
+    empty = QFiltersKVCache(cfg, layer_idx=1, backend="reference")
     path = str(tmp_path / "c.safetensors")
     save_prompt_cache(path, [big, empty])
     a, b = load_prompt_cache(path)
@@ -86,8 +86,8 @@ def test_reload_after_the_filters_file_moved(tmp_path):
     filt = rng.standard_normal((2, 16)).astype(np.float32)
     mx.save_safetensors(str(filters_path), {"x": mx.array(filt)})  # only has to exist
     config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=4,
-                           qfilters_filters=str(filters_path), qfilters_backend="reference")
-    cache = QFiltersKVCache(config, filters=mx.array(filt))
+                           qfilters_filters=str(filters_path))
+    cache = QFiltersKVCache(config, filters=mx.array(filt), backend="reference")
     k = mx.array(rng.standard_normal((1, 2, 41, 16)).astype(np.float32))
     cache.update_and_fetch(k[:, :, :40], k[:, :, :40])
     path = str(tmp_path / "cache.safetensors")

@@ -83,8 +83,8 @@ def test_invariants_after_every_call(backend, sc):
     k = mx.array(keys_np)
     cfg = KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=n_sink,
                         qfilters_recent=recent, qfilters_calib_tokens=calib, qfilters_seed=seed,
-                        qfilters_backend=backend, qfilters_filter_source="keys", qfilters_sign=1)
-    c = QFiltersKVCache(cfg, layer_idx=seed % 3)
+                        qfilters_filter_source="keys", qfilters_sign=1)
+    c = QFiltersKVCache(cfg, layer_idx=seed % 3, backend=backend)
     eff_recent = cfg.protected_recent
     fed = 0
     for L in chunks:

@@ -1,4 +1,4 @@
-"""Quantized storage: ``KVCacheConfig(kv_bits=...)`` / ``to_quantized``.
+"""Quantized storage: the build option ``kv_bits`` (``QuantizedQFiltersKVCache``) / ``to_quantized``.
 
 References: the unquantized cache (same kept set, rows quantized with ``mx.quantize``),
 mlx-lm's ``QuantizedKVCache`` (logits bit for bit when nothing is evicted) and mlx-lm's own
@@ -56,7 +56,7 @@ def test_kept_set_and_rows_equal_the_unquantized_cache(method, bits):
     order, slot mode included); after prefill and decode past several evictions the kept
     positions are the same."""
     k, v = rand_kv(1, sum(CHUNKS))
-    plain, quant = QFiltersKVCache(config(method)), QuantizedQFiltersKVCache(config(method, kv_bits=bits))
+    plain, quant = QFiltersKVCache(config(method)), QuantizedQFiltersKVCache(config(method), bits=bits)
     assert type(quant) is QuantizedQFiltersKVCache and not hasattr(plain, "bits")
     for (kp, vp), (kq, vq) in feed([plain, quant], k, v):
         assert len(kq) == 3 and kq[0].dtype == mx.uint32 and kq[1].dtype == mx.float16
@@ -78,7 +78,7 @@ def test_other_dtypes_and_group_sizes(dtype, group_size):
     k = mx.concatenate([k, k], axis=-1)  # D = 128
     v = mx.concatenate([v, v], axis=-1)
     plain = QFiltersKVCache(config())
-    quant = QuantizedQFiltersKVCache(config(kv_bits=4, kv_group_size=group_size))
+    quant = QuantizedQFiltersKVCache(config(), bits=4, group_size=group_size)
     for (kp, _), (kq, _) in feed([plain, quant], k, v):
         ref = mx.dequantize(*mx.quantize(kp, group_size=group_size, bits=4), group_size=group_size, bits=4)
         assert mx.array_equal(mx.dequantize(*kq, group_size=group_size, bits=4), ref).item()
@@ -89,8 +89,7 @@ def test_trim_back_into_calibration_recalibrates_from_full_precision_keys():
     """Before the first eviction a trim below calib_tokens drops the filter; the quantized
     cache re-estimates it from its full-precision keys exactly as the unquantized one."""
     k, v = rand_kv(3, 80)
-    plain, quant = QFiltersKVCache(config(qfilters_budget=40)), QuantizedQFiltersKVCache(config(qfilters_budget=40,
-                                                                                       kv_bits=8))
+    plain, quant = QFiltersKVCache(config(qfilters_budget=40)), QuantizedQFiltersKVCache(config(qfilters_budget=40), bits=8)
     list(feed([plain, quant], k, v, [20]))
     assert quant.filter is not None and plain.trim(8) == quant.trim(8) == 8 and quant.filter is None
     list(feed([plain, quant], k[:, :, 12:], v[:, :, 12:], [10, 30] + [1] * 10))
@@ -105,7 +104,7 @@ def test_full_precision_keys_are_held_only_until_calibration_and_dropped_at_evic
     (bit for bit the inputs) from calibration until the first eviction, and no others: not
     those of calls after calibration, not any once rows were evicted (``storage.nbytes``)."""
     k, v = rand_kv(5, 80)
-    quant = QuantizedQFiltersKVCache(config(qfilters_budget=40, kv_bits=8))
+    quant = QuantizedQFiltersKVCache(config(qfilters_budget=40), bits=8)
     list(feed([quant], k, v, [10, 10]))  # crosses calib_tokens=16 at the second call
     held = quant.storage.fp_keys
     assert quant.filter is not None and held.shape[2] == 16 and mx.array_equal(held, k[:, :, :16]).item()
@@ -121,7 +120,7 @@ def test_nbytes_counts_packed_scales_and_biases():
     """method='full' stores what QuantizedKVCache stores (same 256-row blocks): its K/V bytes
     equal QuantizedKVCache.nbytes; the eviction cache holds about bits/16 of the float16 bytes."""
     k, v = rand_kv(4, 300)
-    ours, theirs = QuantizedQFiltersKVCache(config("full", kv_bits=4)), QuantizedKVCache(group_size=64, bits=4)
+    ours, theirs = QuantizedQFiltersKVCache(config("full"), bits=4), QuantizedKVCache(group_size=64, bits=4)
     for t, L in ((0, 256), (256, 44)):
         ours.update_and_fetch(k[:, :, t:t + L], v[:, :, t:t + L])
         theirs.update_and_fetch(k[:, :, t:t + L], v[:, :, t:t + L])
@@ -164,7 +163,7 @@ def logits_run(caches, chunks=(25, 15), steps=12):
 @pytest.mark.parametrize("method", ["qfilters", "full"])
 def test_logits_equal_mlx_lm_quantized_kv_cache(method, bits):
     """Budget >= length: the logits of every call equal those with mlx-lm's QuantizedKVCache."""
-    ours = KVCacheBuilder.for_model(MODEL, config(method, qfilters_budget=64, kv_bits=bits))
+    ours = KVCacheBuilder.for_model(MODEL, config(method, qfilters_budget=64), kv_bits=bits)
     theirs = [QuantizedKVCache(group_size=64, bits=bits) for _ in ours]
     a, b = logits_run(ours), logits_run(theirs)
     for x, y in zip(a, b):
@@ -193,7 +192,7 @@ def test_query_filter_kept_set_equals_unquantized_on_a_model():
     cfg = dict(qfilters_filter_source="queries", qfilters_sign=None, qfilters_budget=16)
     kept = []
     for bits in (None, 4):
-        caches = KVCacheBuilder.for_model(MODEL, config(**cfg, kv_bits=bits))
+        caches = KVCacheBuilder.for_model(MODEL, config(**cfg), kv_bits=bits)
         with observe_queries(MODEL, caches):
             MODEL(mx.array(PROMPT[:20], mx.uint32)[None], cache=caches)
             MODEL(mx.array(PROMPT[20:], mx.uint32)[None], cache=caches)
@@ -207,7 +206,7 @@ def test_query_filter_kept_set_equals_unquantized_on_a_model():
 @pytest.mark.parametrize("when", [8, 30, 44])  # before calibration, after eviction, in slot mode
 def test_save_load_continues_bit_for_bit(tmp_path, when):
     k, v = rand_kv(5, 90)
-    a = QuantizedQFiltersKVCache(config(kv_bits=4))
+    a = QuantizedQFiltersKVCache(config(), bits=4)
     list(feed([a], k, v, [when]))
     path = str(tmp_path / "c.safetensors")
     save_prompt_cache(path, [a])
@@ -222,7 +221,7 @@ def test_save_load_continues_bit_for_bit(tmp_path, when):
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_are_independent_and_continue_bit_for_bit(how):
     k, v = rand_kv(6, 90)
-    a = QuantizedQFiltersKVCache(config(kv_bits=8))
+    a = QuantizedQFiltersKVCache(config(), bits=8)
     list(feed([a], k, v, [30, 1, 1, 1]))
     b = copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))
     before = [np.array(x) for x in a.state[:4]]
@@ -236,7 +235,7 @@ def test_copies_are_independent_and_continue_bit_for_bit(how):
 def test_to_quantized_continues_like_a_cache_built_quantized():
     """to_quantized mid-decode (slot mode) equals a cache built with kv_bits, fed the same."""
     k, v = rand_kv(7, 80)
-    plain, built = QFiltersKVCache(config()), QuantizedQFiltersKVCache(config(kv_bits=4))
+    plain, built = QFiltersKVCache(config()), QuantizedQFiltersKVCache(config(), bits=4)
     list(feed([plain, built], k, v, [30, 1, 1]))
     conv = plain.to_quantized(group_size=64, bits=4)
     assert type(conv) is QuantizedQFiltersKVCache and conv.to_quantized(64, 4) is conv
@@ -257,7 +256,7 @@ def test_to_quantized_before_the_first_eviction_continues_like_a_cache_built_qua
     kw = dict(qfilters_filter_source=source, qfilters_sign=None if source == "calibrated" else -1)
     filters = f if source == "calibrated" else None
     plain = QFiltersKVCache(config(**kw), filters=filters)
-    built = QuantizedQFiltersKVCache(config(kv_bits=8, **kw), filters=filters)
+    built = QuantizedQFiltersKVCache(config(**kw), filters=filters, bits=8)
     list(feed([plain, built], k, v, [fed]))
     conv = plain.to_quantized(group_size=64, bits=8)
     held = built.storage.fp_keys
@@ -290,27 +289,32 @@ def test_from_cache_defaults_are_mlx_lm_s_to_quantized_defaults():
 
 # ------------------------------------------------------------------- errors
 @pytest.mark.parametrize("kw, match", [
-    (dict(kv_bits=3), "kv_bits must be None or one of"),
-    (dict(kv_bits=16), "kv_bits must be None or one of"),
-    (dict(kv_bits=4, kv_group_size=48), "kv_group_size must be one of"),
-    (dict(kv_bits=4, head_dim=96), r"head_dim \(96\) must be a multiple of kv_group_size \(64\)"),
-    (dict(kv_bits=8, qfilters_max_rewind=4), "kv_bits=8 needs qfilters_max_rewind=0"),
+    (dict(bits=3), "kv_bits must be None or one of"),
+    (dict(bits=16), "kv_bits must be None or one of"),
+    (dict(bits=4, group_size=48), "kv_group_size must be one of"),
+    (dict(bits=4, head_dim=96), r"head_dim \(96\) must be a multiple of kv_group_size \(64\)"),
+    (dict(bits=8, max_rewind=4), "kv_bits=8 needs .*max_rewind=0"),
 ])
-def test_config_errors_name_the_field(kw, match):
+def test_build_option_errors_name_the_option(kw, match):
+    head_dim = kw.pop("head_dim", None)
     with pytest.raises(ValueError, match=match):
-        config(**kw)
+        QuantizedQFiltersKVCache(config(head_dim=head_dim), **kw)
+    if head_dim is None:  # (the model's head_dim is 64)
+        with pytest.raises(ValueError, match=match):
+            KVCacheBuilder.for_model(MODEL, config(), kv_bits=kw["bits"],
+                                     kv_group_size=kw.get("group_size"), max_rewind=kw.get("max_rewind"))
     with pytest.raises(TypeError, match="kv_bits must be an int"):
-        config(kv_bits="4")
+        QuantizedQFiltersKVCache(config(), bits="4")
 
 
 def test_runtime_errors_are_clear_and_change_nothing():
-    with pytest.raises(ValueError, match="QuantizedQFiltersKVCache needs config.kv_bits"):
+    with pytest.raises(ValueError, match="QuantizedQFiltersKVCache needs .*bits"):
         QuantizedQFiltersKVCache(config())
     for make in (lambda: QuantizedQFiltersKVCache(config(head_dim=96), bits=4),
                  lambda: QuantizedQFiltersKVCache.from_cache(QFiltersKVCache(config(head_dim=96)), 64, 4)):
         with pytest.raises(ValueError, match=r"head_dim \(96\) must be a multiple of kv_group_size \(64\)"):
             make()
-    c = QuantizedQFiltersKVCache(config(kv_bits=4))
+    c = QuantizedQFiltersKVCache(config(), bits=4)
     with pytest.raises(ValueError, match="keys head_dim 48 is not a multiple of kv_group_size 64"):
         c.update_and_fetch(mx.zeros((1, 2, 3, 48)), mx.zeros((1, 2, 3, 48)))
     assert c.empty() and c.offset == 0
@@ -340,8 +344,8 @@ def test_quantized_arms_batch_like_each_alone():
     from qfilters_mlx.evaluation.perplexity import batched_streaming_nll
 
     def row(budget, bits=8):
-        cfg = config(qfilters_budget=budget, qfilters_recent=4, kv_bits=bits)
-        return KVCacheBuilder.for_model(MODEL, cfg)
+        cfg = config(qfilters_budget=budget, qfilters_recent=4)
+        return KVCacheBuilder.for_model(MODEL, cfg, kv_bits=bits)
 
     rows = [row(20), row(32)]
     assert all(type(c) is QuantizedMultiArmCache and c.bits == 8 for c in batch_caches(rows))

@@ -14,7 +14,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from helpers.cache_model import CacheModel
-from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache, observe_queries
+from qfilters_mlx import CompressOnce, KVCacheBuilder, KVCacheConfig, QFiltersKVCache, observe_queries
 from qfilters_mlx.backends import reference
 from qfilters_mlx.backends import metal as metal_module
 from qfilters_mlx.backends.base import Backend
@@ -27,10 +27,9 @@ from test_cache import observable as observable_cache
 METHODS = ["qfilters", "l2norm", "streaming_llm", "random"]
 
 
-def cfg(method="qfilters", budget=12, recent=2, depth=6, backend="auto", **kw):
+def cfg(method="qfilters", budget=12, recent=2, **kw):
     return KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=2, qfilters_recent=recent,
-                         qfilters_calib_tokens=8, qfilters_backend=backend, qfilters_max_rewind=depth,
-                         **{'qfilters_filter_source': 'keys', **kw})
+                         qfilters_calib_tokens=8, **{'qfilters_filter_source': 'keys', **kw})
 
 
 def rand_kv(seed, T=120, H=2, D=8):
@@ -61,9 +60,10 @@ def assert_same(a, b):
     assert_unchanged(observable(a), b)
 
 
-def replay(config, k, v, events):
-    """A cache fed ``events`` (chunk lengths; "K" = kept_positions()) from scratch."""
-    c, p = QFiltersKVCache(config), 0
+def replay(config, k, v, events, **build):
+    """A cache fed ``events`` (chunk lengths; "K" = kept_positions()) from scratch (``build``:
+    the constructor's build options)."""
+    c, p = QFiltersKVCache(config, **build), 0
     for e in events:
         if e == "K":
             c.kept_positions()
@@ -98,8 +98,8 @@ def test_rewind_is_bit_identical_to_never_seeing_the_tokens(method, backend, rec
     after every rewind the cache equals one fed only the surviving tokens, and the next
     call returns the same keys/values bit for bit."""
     k, v = rand_kv(seed % 1000)
-    config = cfg(method, recent=recent, backend=backend)
-    c, events, pos = QFiltersKVCache(config), [], 0
+    config = cfg(method, recent=recent)
+    c, events, pos = QFiltersKVCache(config, backend=backend, max_rewind=6), [], 0
     for L, n, look in ops:
         if pos + L > k.shape[2]:
             break
@@ -115,7 +115,7 @@ def test_rewind_is_bit_identical_to_never_seeing_the_tokens(method, backend, rec
         assert c.trim(n) == n
         pos -= n
         events = cut(events, n)
-        ref = replay(config, k, v, events)
+        ref = replay(config, k, v, events, backend=backend, max_rewind=6)
         assert_same(c, ref)
         if c.evicted:  # (a plain trim before any eviction keeps the buffers' capacity)
             assert c.nbytes - c.journal_nbytes == ref.nbytes - ref.journal_nbytes
@@ -131,13 +131,13 @@ def test_rewind_is_bit_identical_to_never_seeing_the_tokens(method, backend, rec
 
 def test_rewind_beyond_the_journal_raises_before_changing_anything():
     k, v = rand_kv(1)
-    c = QFiltersKVCache(cfg(depth=4))
+    c = QFiltersKVCache(cfg(), max_rewind=4)
     c.update_and_fetch(k[:, :, :30], v[:, :, :30])
     for t in range(30, 40):
         c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
     assert c.evicted and c.is_trimmable() and c.rewindable_tokens == 4
     before = observable(c)
-    with pytest.raises(ValueError, match="cannot rewind 5 tokens.*qfilters_max_rewind=4"):
+    with pytest.raises(ValueError, match="cannot rewind 5 tokens.*max_rewind=4"):
         c.trim(5)
     assert_unchanged(before, c)
     assert c.trim(4) == 4 and c.offset == 36
@@ -148,25 +148,25 @@ def test_rewind_beyond_the_journal_raises_before_changing_anything():
 
 def test_depth_zero_keeps_nothing_and_refuses_rewinds_after_eviction():
     k, v = rand_kv(2)
-    c = QFiltersKVCache(cfg(depth=0))
+    c = QFiltersKVCache(cfg(), max_rewind=0)
     # mlx-lm is told no (a later rewind could not be exact); trim itself is exact until the eviction
     assert not c.is_trimmable()
     c.update_and_fetch(k[:, :, :10], v[:, :, :10])
     assert c.trim(3) == 3 and c.offset == 7  # before any eviction: a plain trim
     c.update_and_fetch(k[:, :, 7:40], v[:, :, 7:40])
     assert c.evicted and c.journal_nbytes == 0 and not c.is_trimmable()
-    with pytest.raises(ValueError, match="cannot rewind 1 tokens.*qfilters_max_rewind=0"):
+    with pytest.raises(ValueError, match="cannot rewind 1 tokens.*max_rewind=0"):
         c.trim(1)
     assert c.offset == 40  # nothing changed
-    with pytest.raises(ValueError, match="qfilters_max_rewind"):
-        KVCacheConfig(qfilters_max_rewind=-1)
-    with pytest.raises(TypeError, match="qfilters_max_rewind"):
-        KVCacheConfig(qfilters_max_rewind=1.5)
+    with pytest.raises(ValueError, match="max_rewind"):
+        QFiltersKVCache(cfg(), max_rewind=-1)
+    with pytest.raises(TypeError, match="max_rewind"):
+        QFiltersKVCache(cfg(), max_rewind=1.5)
 
 
 def test_journal_bytes_are_counted():
     k, v = rand_kv(3, H=2, D=8)
-    c = QFiltersKVCache(cfg(budget=12, depth=5))
+    c = QFiltersKVCache(cfg(budget=12), max_rewind=5)
     c.update_and_fetch(k[:, :, :30], v[:, :, :30])
     for t in range(30, 45):
         c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -197,8 +197,8 @@ def prompt_tokens(seed, n):
     return mx.array(np.random.default_rng(seed).integers(0, 61, n), dtype=mx.uint32)
 
 
-def speculative(config, prompt, k, max_tokens):
-    caches = KVCacheBuilder.for_model(MAIN, config) + make_prompt_cache(DRAFT)
+def speculative(config, prompt, k, max_tokens, max_rewind):
+    caches = KVCacheBuilder.for_model(MAIN, config, max_rewind=max_rewind) + make_prompt_cache(DRAFT)
     out = [(int(t), bool(d)) for t, _, d in speculative_generate_step(
         prompt, MAIN, DRAFT, num_draft_tokens=k, max_tokens=max_tokens, prompt_cache=caches)]
     return out, caches[:len(MAIN.layers)]
@@ -232,9 +232,9 @@ def _replay(prompt, spec, caches):
 
 def _speculative_run(method, budget, num_draft, seed, n_prompt):
     config = KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=2, qfilters_recent=2,
-                           qfilters_calib_tokens=8, qfilters_max_rewind=8, qfilters_filter_source="keys")
+                           qfilters_calib_tokens=8, qfilters_filter_source="keys")
     prompt = prompt_tokens(seed, n_prompt)
-    spec, caches = speculative(config, prompt, num_draft, 24)
+    spec, caches = speculative(config, prompt, num_draft, 24, max_rewind=8)
     # Examples where the tiny main model repeats one token, or the draft never disagrees,
     # exercise no rewind after an eviction: draw others.
     assume(len({t for t, _ in spec}) > 1 and any(not d for _, d in spec[:-1]))
@@ -292,9 +292,9 @@ def test_speculative_kept_sets_equal_the_numpy_model_fed_the_same_calls(method, 
     model's (up to float32 rounding of tied scores), the stored keys/values are bit for bit the
     history's at those positions, and every rewind trimmed what the model trims."""
     config = KVCacheConfig(method=method, qfilters_budget=budget, qfilters_n_sink=2, qfilters_recent=2,
-                           qfilters_calib_tokens=8, qfilters_max_rewind=8, qfilters_filter_source="keys")
+                           qfilters_calib_tokens=8, qfilters_filter_source="keys")
     prompt = prompt_tokens(seed, n_prompt)
-    caches = KVCacheBuilder.for_model(MAIN, config)
+    caches = KVCacheBuilder.for_model(MAIN, config, max_rewind=8)
     logs = recording(caches)
     spec = [(int(t), bool(d)) for t, _, d in speculative_generate_step(
         prompt, MAIN, DRAFT, num_draft_tokens=num_draft, max_tokens=24,
@@ -357,9 +357,9 @@ def test_speculative_equals_greedy_while_nothing_is_evicted(method):
     """With a budget above the sequence, speculative decoding gives plain greedy decoding's
     tokens (mlx-lm's own contract) and ends at the same offset as mlx-lm's KVCache."""
     config = KVCacheConfig(method=method, qfilters_budget=256, qfilters_n_sink=2, qfilters_recent=0,
-                           qfilters_calib_tokens=8, qfilters_filter_source="keys", qfilters_max_rewind=3)
+                           qfilters_calib_tokens=8, qfilters_filter_source="keys")
     prompt = prompt_tokens(5, 30)
-    spec, caches = speculative(config, prompt, 3, 20)
+    spec, caches = speculative(config, prompt, 3, 20, max_rewind=3)
     greedy = [int(t) for t, _ in generate_step(prompt, MAIN, max_tokens=20,
                                                prompt_cache=KVCacheBuilder.for_model(MAIN, config))]
     assert [t for t, _ in spec] == greedy
@@ -373,9 +373,9 @@ def test_offset_after_speculative_decoding_with_eviction():
     """A draft that disagrees, 3 draft tokens, budget 16, a 40-token prompt, 20 tokens:
     the main caches end at the offset a plain cache reaches (59), not 116."""
     config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=0, qfilters_calib_tokens=8,
-                           qfilters_filter_source="keys", qfilters_max_rewind=3)
+                           qfilters_filter_source="keys")
     prompt = prompt_tokens(7, 40)
-    spec, caches = speculative(config, prompt, 3, 20)
+    spec, caches = speculative(config, prompt, 3, 20, max_rewind=3)
     plain = make_prompt_cache(MAIN) + make_prompt_cache(DRAFT)
     list(speculative_generate_step(prompt, MAIN, DRAFT, num_draft_tokens=3, max_tokens=20,
                                    prompt_cache=plain))
@@ -392,12 +392,12 @@ def test_speculative_with_the_query_filter_and_eviction_caches_on_the_draft(seed
     from qfilters_mlx.commands.generation import draft_config
 
     config = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_calib_tokens=8,
-                           qfilters_max_rewind=8, qfilters_filter_source="queries")
+                           qfilters_filter_source="queries")
     assert config.needs_queries and not draft_config(config).needs_queries
     assert draft_config(config).qfilters_sign == -1
     prompt = prompt_tokens(seed, 30)
-    main = KVCacheBuilder.for_model(MAIN, config)
-    draft = KVCacheBuilder.for_model(DRAFT, draft_config(config))
+    main = KVCacheBuilder.for_model(MAIN, config, max_rewind=8)
+    draft = KVCacheBuilder.for_model(DRAFT, draft_config(config), max_rewind=8)
     with observe_queries(MAIN, main):
         spec = [(int(t), bool(d)) for t, _, d in speculative_generate_step(
             prompt, MAIN, DRAFT, num_draft_tokens=3, max_tokens=24, prompt_cache=main + draft)]
@@ -416,7 +416,7 @@ def test_speculative_with_the_query_filter_and_eviction_caches_on_the_draft(seed
 # ``cache/kv_cache.py`` needs pinned: ``tools/mutation.py``, bench/results/mutation.md).
 #
 # * reach (journal.py / ``rewindable_tokens``): the journal keeps the records of the newest
-#   calls covering at least ``qfilters_max_rewind`` tokens (one record per call, a decode step
+#   calls covering at least ``max_rewind`` tokens (one record per call, a decode step
 #   being a 1-token call); after an eviction ``trim`` can remove ``min(depth, tokens those
 #   records cover)``; a plain trim before any eviction forgets the trimmed tokens (whole calls
 #   and the tail of one); a compression clears it;
@@ -573,20 +573,19 @@ def test_plain_trims_before_an_eviction_shorten_the_journal_exactly(trims):
 
 def test_a_compression_clears_the_journal():
     """compress(): rewinds cannot cross the compression (nothing rewindable right after it,
-    ``trim`` raises naming ``qfilters_max_rewind``); tokens fed after it refill the journal."""
+    ``trim`` raises naming ``max_rewind``); tokens fed after it refill the journal."""
     k, v, f = int_data(40, seed=25)
     c = QFiltersKVCache(KVCacheConfig(
-        method="qfilters", qfilters_mode="compress_once", qfilters_compress_at="manual",
-        qfilters_budget=8, qfilters_n_sink=2, qfilters_recent=2, qfilters_growth=2,
-        qfilters_max_rewind=8, qfilters_backend="reference"), filters=mx.array(f))
+        method="qfilters", mode=CompressOnce(at="manual", growth=2), qfilters_budget=8, qfilters_n_sink=2,
+        qfilters_recent=2), filters=mx.array(f), max_rewind=8, backend="reference")
     feed(c, k, v, [20])
     assert c.compress() == 8 and c.evicted
     assert c.rewindable_tokens == 0 and c.journal_nbytes == 0
-    with pytest.raises(ValueError, match=r"cannot rewind 1 tokens.*qfilters_max_rewind=8"):
+    with pytest.raises(ValueError, match=r"cannot rewind 1 tokens.*max_rewind=8"):
         c.trim(1)
     feed(c, k, v, [3, 1], start=20)  # 12 rows > 8 + 2: evicted again
     assert c.rewindable_tokens == 4
-    with pytest.raises(ValueError, match=r"cannot rewind 5 tokens.*qfilters_max_rewind=8"):
+    with pytest.raises(ValueError, match=r"cannot rewind 5 tokens.*max_rewind=8"):
         c.trim(5)
     assert c.trim(4) == 4 and c.rewindable_tokens == 0
 
@@ -596,7 +595,7 @@ def test_queries_that_do_not_fit_a_reloaded_or_trimmed_cache_raise_naming_the_sh
     back past every journaled call) raises the documented ValueError naming the shapes, before
     anything changes (journal bytes, state); then queries that fit are taken."""
     c, k, q = observed_query_cache(26, 6, 7, qfilters_budget=12, qfilters_calib_tokens=16,
-                                   qfilters_max_rewind=2)
+                                   max_rewind=2)
     for L in (3, 3):
         c.update_and_fetch(k[:, :, :L], k[:, :, :L])
         c.observe_queries(q[:, :, :L])
@@ -654,7 +653,7 @@ def test_queries_that_do_not_fit_change_nothing_not_even_the_journal():
     the kept queries and the pending flag as they were; the fitting ones are then noted in the
     call's record (``journal_nbytes`` grows by exactly their bytes)."""
     c, k, q = observed_query_cache(31, 3, 5, qfilters_budget=12, qfilters_calib_tokens=16,
-                                   qfilters_max_rewind=2)
+                                   max_rewind=2)
     c.update_and_fetch(k, k)
     before = observable_cache(c)
     for bad in (q, q[:, :3], q[..., :4]):  # too many tokens, H_q not a multiple of H_kv, wrong D
@@ -676,7 +675,7 @@ def test_queries_that_do_not_fit_change_nothing_not_even_the_journal():
 #   here a stand-in for a Mac's Metal backend) and leave the copy unobserved, exactly
 #   like a fresh cache (``QFiltersKVCache.__setstate__``);
 # * ``trim`` (docs/mlx-lm.md, "Speculative decoding"): trimmable after an eviction for any
-#   ``qfilters_max_rewind > 0`` (also 1); a plain trim back to exactly
+#   ``max_rewind > 0`` (also 1); a plain trim back to exactly
 #   ``calib_tokens`` keeps the filter (it was estimated from exactly those keys) and one
 #   below drops it; undoing the call that calibrated unscores the rows it leaves; a
 #   compress-once cache rewound after growing is the uninterrupted cache down to its
@@ -777,7 +776,7 @@ def assert_same_but_journal(a, b):
 
 
 def test_depth_one_is_trimmable_after_an_eviction_and_rewinds_exactly():
-    """README: with ``qfilters_max_rewind=N > 0`` an evicted cache is trimmable and ``trim(n)``
+    """docs/mlx-lm.md: with ``max_rewind=N > 0`` an evicted cache is trimmable and ``trim(n)``
     is exact for ``n <= N``: N = 1 rewinds a decode step and the last token of a call."""
     k, v, f = int_data(40, seed=12)
     for chunks in ([16, 1, 1], [16, 3]):
@@ -796,8 +795,8 @@ def calibrating_cache(calib, budget, depth=0):
     """A Q-Filters cache estimating its filter from its first ``calib`` keys."""
     return QFiltersKVCache(KVCacheConfig(
         method="qfilters", qfilters_budget=budget, qfilters_n_sink=2, qfilters_recent=2,
-        qfilters_calib_tokens=calib, qfilters_filter_source="keys", qfilters_max_rewind=depth,
-        qfilters_backend="reference"))
+        qfilters_calib_tokens=calib, qfilters_filter_source="keys"),
+        max_rewind=depth, backend="reference")
 
 
 def test_plain_trim_keeps_the_filter_down_to_exactly_calib_tokens():
@@ -833,7 +832,7 @@ def test_rewinding_the_calibrating_call_unscores_the_rows_it_leaves():
 
 @pytest.mark.parametrize("chunks", [[3, 5], [1] * 7], ids=["call", "decode_step"])
 def test_compress_once_growth_rewound_is_the_uninterrupted_cache_down_to_its_buffers(chunks):
-    """Compress-once with ``qfilters_growth``: after the compression new tokens are appended into
+    """Compress-once with ``CompressOnce.growth``: after the compression new tokens are appended into
     buffers grown in 256-row blocks; the call (or decode step) that passes ``K + growth`` evicts.
     Rewinding it restores the rows and the buffers' size (``nbytes``) of a cache that never saw
     it, and both continue identically."""
@@ -841,9 +840,8 @@ def test_compress_once_growth_rewound_is_the_uninterrupted_cache_down_to_its_buf
 
     def cache():
         c = QFiltersKVCache(KVCacheConfig(
-            method="qfilters", qfilters_mode="compress_once", qfilters_compress_at="manual",
-            qfilters_budget=8, qfilters_n_sink=2, qfilters_recent=2, qfilters_growth=6,
-            qfilters_max_rewind=8, qfilters_backend="reference"), filters=mx.array(f))
+            method="qfilters", mode=CompressOnce(at="manual", growth=6), qfilters_budget=8, qfilters_n_sink=2,
+            qfilters_recent=2), filters=mx.array(f), max_rewind=8, backend="reference")
         feed(c, k, v, [20])
         assert c.compress() == 8
         return c

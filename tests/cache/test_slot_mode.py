@@ -39,9 +39,8 @@ def np_window_mask(key_positions, offset, N, window):
 def test_window_mask_after_streaming_eviction_uses_the_kept_absolute_positions(H):
     budget, n_sink = 6, 2
     k, v, _ = int_data(20, seed=11, H=H)
-    cfg = KVCacheConfig(method="streaming_llm", qfilters_budget=budget, qfilters_n_sink=n_sink,
-                        qfilters_backend="reference")
-    cache = QFiltersKVCache(cfg)
+    cfg = KVCacheConfig(method="streaming_llm", qfilters_budget=budget, qfilters_n_sink=n_sink)
+    cache = QFiltersKVCache(cfg, backend="reference")
     model = CacheModel("streaming_llm", budget, n_sink, budget - n_sink)
     start = 0
     for L in [9, 1, 1, 1]:  # a prefill that evicts, then decode steps in slot mode
@@ -60,9 +59,9 @@ def test_window_mask_after_streaming_eviction_uses_the_kept_absolute_positions(H
 @pytest.mark.parametrize("method", ["qfilters", "l2norm", "random"])
 def test_window_mask_after_per_head_eviction_raises_naming_window_size(method):
     k, v, f = int_data(12, seed=3)
-    cfg = KVCacheConfig(method=method, qfilters_budget=6, qfilters_n_sink=1, qfilters_recent=2,
-                        qfilters_backend="reference")
-    cache = QFiltersKVCache(cfg, filters=mx.array(f) if method == "qfilters" else None)
+    cfg = KVCacheConfig(method=method, qfilters_budget=6, qfilters_n_sink=1, qfilters_recent=2)
+    cache = QFiltersKVCache(cfg, filters=mx.array(f) if method == "qfilters" else None,
+                            backend="reference")
     feed(cache, k, v, [9, 1])
     assert cache.evicted
     before = (cache.offset, np.array(cache.kept_positions()))

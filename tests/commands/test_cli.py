@@ -40,14 +40,15 @@ def build_options_of(*args):
 
 def test_library_and_cli_defaults_are_one_set():
     """The defaults, stated: KVCacheConfig() equals what `generate` uses without flags."""
-    from qfilters_mlx import KVCacheConfig
+    from qfilters_mlx import KVCacheConfig, Streaming
     from qfilters_mlx import config as C
+    from qfilters_mlx.config import BuildOptions
 
     lib = KVCacheConfig()
     assert (lib.method, lib.qfilters_budget, lib.qfilters_n_sink, lib.qfilters_recent,
             lib.qfilters_calib_tokens, lib.qfilters_sign, lib.qfilters_filter_source,
-            lib.qfilters_filters, lib.qfilters_backend) == (
-        "qfilters", 256, 4, 128, 128, 1, "calibrated", None, "auto")
+            lib.qfilters_filters, lib.mode) == (
+        "qfilters", 256, 4, 128, 128, 1, "calibrated", None, Streaming())
     assert lib.qfilters_recent == 256 // 2  # recent = budget/2
     assert lib == config_of()
     # recent follows the budget in both (the rule written out: floor(budget/2), one scored slot left)
@@ -61,7 +62,8 @@ def test_library_and_cli_defaults_are_one_set():
     assert KVCacheConfig(qfilters_filter_source="keys").qfilters_sign == -1
     assert config_of("--filter-source", "keys").qfilters_sign == -1
     assert KVCacheConfig(qfilters_filter_source="keys", qfilters_sign=1).qfilters_sign == 1
-    assert lib.qfilters_max_rewind == build_options_of().max_rewind == "auto"  # journal on demand
+    assert BuildOptions() == build_options_of()  # backend "auto", max_rewind "auto": journal on demand
+    assert build_options_of().max_rewind == "auto"
     assert build_options_of("--draft-model", "D", "--num-draft-tokens", "5").max_rewind == 5
     assert build_options_of("--draft-model", "D", "--max-rewind", "9").max_rewind == 9
     assert build_options_of().backend == "auto"

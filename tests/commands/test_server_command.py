@@ -67,12 +67,12 @@ def test_stored_conversations_never_ask_for_a_rewind_the_cache_cannot_do():
 
     model = tiny_llama()
     store = prompt_cache_class(cache_module)()
-    cfg = config(qfilters_max_rewind=4)
+    cfg = config()
     toks = list(range(1, 41))
-    head = KVCacheBuilder.for_model(model, cfg)
+    head = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
     model(mx.array([toks[:10]]), cache=head)
     store.insert_cache("m", toks[:10], head, cache_type="system")
-    full = KVCacheBuilder.for_model(model, cfg)
+    full = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
     model(mx.array([toks[:36]]), cache=full)
     model(mx.array([toks[36:]]), cache=full)
     assert full[0].evicted and rewind_reach(full) == 4

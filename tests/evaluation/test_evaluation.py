@@ -66,9 +66,10 @@ def test_arm_list_is_data_and_expands_valid_configs():
                                    "random@r1/2", "streaming_llm"]
     # a new arm plugs in with its own cache factory
     made = []
-    extra = Arm("custom", "qfilters", cache_factory=lambda cfg, i: made.append(i) or QFiltersKVCache(cfg, i))
-    extra.make_cache(extra.config(32), 3)
-    assert made == [3]
+    extra = Arm("custom", "qfilters",
+                cache_factory=lambda cfg, i, **build: made.append((i, build)) or QFiltersKVCache(cfg, i, **build))
+    assert extra.make_cache(extra.config(32), 3, backend="reference").backend.name == "reference"
+    assert made == [(3, {"backend": "reference"})]
 
 
 def test_mask_hides_padding_and_is_causal():

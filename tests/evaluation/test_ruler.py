@@ -20,6 +20,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from helpers.ruler_helpers import EOS, ByteTokenizer, tiny_model
+from qfilters_mlx import CompressOnce
 from qfilters_mlx.assets.prompts import source_text
 from qfilters_mlx.evaluation.ruler.haystack import HAYSTACK_OFFSET, essay_sentences
 from qfilters_mlx.evaluation.ruler.leaderboard import bootstrap_average, leaderboard
@@ -301,9 +302,8 @@ def test_compressed_arm_answers_as_the_library_compress_once_cache(tiny_run, arm
     model, tok, filters, _, recs = tiny_run
     for rec in recs.values():
         c, q = sample_tokens(tok, _sample(tok, rec))
-        cfg = KVCacheConfig(method=method, qfilters_mode="compress_once", qfilters_compression_ratio=0.5,
-                            qfilters_compress_at="manual", qfilters_n_sink=n_sink, qfilters_recent=0,
-                            qfilters_filter_source="keys", qfilters_sign=1)
+        cfg = KVCacheConfig(method=method, mode=CompressOnce(ratio=0.5, at="manual"), qfilters_n_sink=n_sink,
+                            qfilters_recent=0, qfilters_filter_source="keys", qfilters_sign=1)
         caches = [QFiltersKVCache(cfg, layer_idx=i, filters=filters[i] if method == "qfilters" else None)
                   for i in range(2)]
         for i in range(0, len(c), 64):  # the run's prefill chunks (BLAS results depend on shapes)

@@ -72,8 +72,8 @@ def test_run_segments_matches_running_each_arm_alone():
         cells = results["segments"][seg]
         np.testing.assert_allclose(cells["full"]["nll"], full_cache_nll(model, tokens, 6), atol=1e-4)
         for arm in arms:
-            cfg = arm.config(12, n_sink=2, calib_tokens=8, backend="reference", head_dim=16)
-            alone = streaming_nll(model, tokens, [arm.make_cache(cfg, i) for i in range(2)], 6)
+            cfg = arm.config(12, n_sink=2, calib_tokens=8, head_dim=16)
+            alone = streaming_nll(model, tokens, [arm.make_cache(cfg, i, backend="reference") for i in range(2)], 6)
             np.testing.assert_allclose(cells[f"{arm.name}@12"]["nll"], alone, atol=1e-4)
     table = ratio_table(results)
     assert set(table) == {"A", "B"} and set(table["A"]) == {"keys-1@r0"}

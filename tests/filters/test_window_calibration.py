@@ -160,9 +160,8 @@ def test_cache_with_per_head_windows_keeps_the_numpy_set():
     f = mx.array(rng.standard_normal((H, D)).astype(np.float32))
     keys = mx.array(rng.standard_normal((B, H, T, D)).astype(np.float32))
     for backend in ("reference", "auto"):
-        cfg = KVCacheConfig(qfilters_budget=budget, qfilters_n_sink=n_sink, qfilters_recent=recent,
-                            qfilters_backend=backend)
-        cache = QFiltersKVCache(cfg, filters=f)
+        cfg = KVCacheConfig(qfilters_budget=budget, qfilters_n_sink=n_sink, qfilters_recent=recent)
+        cache = QFiltersKVCache(cfg, filters=f, backend=backend)
         cache.update_and_fetch(keys[:, :, :30], keys[:, :, :30])
         for t in range(30, T):
             cache.update_and_fetch(keys[:, :, t:t + 1], keys[:, :, t:t + 1])
@@ -171,4 +170,5 @@ def test_cache_with_per_head_windows_keeps_the_numpy_set():
         for h in range(H):
             np.testing.assert_array_equal(got[0, h], np_keep(s[0, h], budget, n_sink, recent[h]))
         with pytest.raises(ValueError, match="per-head"):
-            QFiltersKVCache(cfg, filters=mx.zeros((2, D))).update_and_fetch(keys[:, :2], keys[:, :2])
+            bad = QFiltersKVCache(cfg, filters=mx.zeros((2, D)), backend=backend)
+            bad.update_and_fetch(keys[:, :2], keys[:, :2])

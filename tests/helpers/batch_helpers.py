@@ -39,13 +39,14 @@ def prompts(lengths, seed: int = 1) -> list[list[int]]:
     return [mx.random.randint(0, VOCAB, (n,)).tolist() for n in lengths]
 
 
-def alone(model, prompt, cfg, n_tokens):
+def alone(model, prompt, cfg, n_tokens, **build):
     """Greedy tokens of ``prompt`` alone (its own per-sequence caches), fed exactly like
     ``BatchGenerator`` feeds a row: ``prompt[:-1]`` in one call, then one token per step,
-    and finally the last generated token (a finished row's cache has seen it).
+    and finally the last generated token (a finished row's cache has seen it); ``build``:
+    build options of the caches (``KVCacheBuilder.for_model``'s keywords).
 
     Returns ``(tokens, caches, logprobs per step)``."""
-    caches = KVCacheBuilder.for_model(model, cfg) if cfg is not None else None
+    caches = KVCacheBuilder.for_model(model, cfg, **build) if cfg is not None else None
     if caches is None:
         from mlx_lm.models.cache import make_prompt_cache
         caches = make_prompt_cache(model)

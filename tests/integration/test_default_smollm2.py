@@ -59,9 +59,10 @@ def test_draft_model_with_the_default_holds_the_budget(model_path):
 
     model, tokenizer = mlx_lm.load(str(model_path))
     draft, _ = mlx_lm.load(str(model_path))
-    cfg = KVCacheConfig(qfilters_budget=256, qfilters_max_rewind=3)
+    cfg = KVCacheConfig(qfilters_budget=256)
     prompt = tokenizer.encode(long_prompt())[:700]
-    main, drafted = (KVCacheBuilder.for_model(m, cfg, tokenizer=tokenizer) for m in (model, draft))
+    main, drafted = (KVCacheBuilder.for_model(m, cfg, tokenizer=tokenizer, max_rewind=3)
+                     for m in (model, draft))
     spec = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=12, draft_model=draft,
                                              num_draft_tokens=3, prompt_cache=main + drafted,
                                              sampler=make_sampler(0.0))]

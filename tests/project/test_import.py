@@ -13,7 +13,7 @@ def test_import_loads_no_kernel_and_no_mlx():
         "bad = [m for m in ('mlx.core', 'qfilters_mlx._ext', 'qfilters_mlx.backends.metal') if m in sys.modules]\n"
         "print(','.join(bad))\n"
         "from qfilters_mlx import KVCacheConfig, QFiltersKVCache\n"
-        "c = QFiltersKVCache(KVCacheConfig(qfilters_backend='reference', qfilters_filter_source='keys'))\n"
+        "c = QFiltersKVCache(KVCacheConfig(qfilters_filter_source='keys'), backend='reference')\n"
         "print('ext' if 'qfilters_mlx._ext' in sys.modules else 'noext')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,7 +11,6 @@ reported (:mod:`.build_report`); multi-head latent attention is refused. Build o
 from __future__ import annotations
 
 import types
-from dataclasses import replace
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
@@ -90,9 +89,9 @@ def _trial_forward(model, budgeted: list[CacheSlot]) -> tuple:
     import mlx.core as mx
 
     trial = default_caches(model)
+    full, options = KVCacheConfig(method="full"), BuildOptions(backend="reference")
     for s in budgeted:
-        c = _new_cache(_TrialCache, KVCacheConfig(method="full", head_dim=s.key_dim), s.layer, None,
-                       BuildOptions(backend="reference"))
+        c = _new_cache(_TrialCache, full.with_head_dim(s.key_dim), s.layer, None, options)
         c.keep_last_kv = True
         replace_at(trial, s.path, c)
     try:
@@ -266,9 +265,8 @@ class KVCacheBuilder:
         caches = BudgetedCaches(default_caches(model))
         table = per_layer_table(config, len(budgeted))
         for i, s in enumerate(budgeted):
-            cfg = config.with_head_dim(s.key_dim)
-            if table:  # per-head windows of budgeted slot i (rows follow the filters' order)
-                cfg = replace(cfg, qfilters_recent=config.layer_recent(i))
+            # per-head windows: budgeted slot i's row (rows follow the filters' order)
+            cfg = config.for_layer(i, s.key_dim) if table else config.with_head_dim(s.key_dim)
             c = _new_cache(QFiltersKVCache, cfg, s.layer, None if filters is None else filters[i],
                            options)
             c.keep_last_kv = s.path in shared_kv

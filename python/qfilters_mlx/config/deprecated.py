@@ -1,6 +1,11 @@
 """The earlier spellings of :class:`~qfilters_mlx.config.KVCacheConfig`: mode fields and build
 options given to the configuration itself. They keep working (one ``DeprecationWarning`` per
-construction names the new spelling); errors in them name the old field."""
+construction names the new spelling); errors in them name the old field.
+
+:func:`translate_old_spellings` is the one entry: ``KVCacheConfig``'s keyword parsing calls it
+(with a warning), and so does the loader of saved states (:mod:`.state`, without one: saved
+states are written in this flat form).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import warnings
 
 from qfilters_mlx.config.build import BuildOptions, check_build
 from qfilters_mlx.config.checks import check_choice
-from qfilters_mlx.config.modes import STREAMING, CompressOnce, MODES, check_compress_once
+from qfilters_mlx.config.modes import STREAMING, MODES, CompressOnce, Streaming, check_compress_once
 
 MODE_FIELDS = {"qfilters_compression_ratio": "ratio", "qfilters_growth": "growth",
                "qfilters_compress_at": "at"}
@@ -20,14 +25,38 @@ BUILD_FIELDS = {"qfilters_backend": "backend", "qfilters_max_rewind": "max_rewin
 
 OLD_BUILD_NAMES = {new: old for old, new in BUILD_FIELDS.items()}
 
-def take_deprecated(kwargs: dict) -> tuple[dict, dict]:
-    """Remove the old spellings from ``kwargs``: ``(mode fields, build fields)`` by old name."""
-    mode = {k: kwargs.pop(k) for k in ("qfilters_mode", *MODE_FIELDS) if k in kwargs}
-    build = {k: kwargs.pop(k) for k in BUILD_FIELDS if k in kwargs}
-    return mode, build
+
+def translate_old_spellings(values: dict, warn_stacklevel: int | None) -> dict:
+    """``values`` (keyword -> value of a ``KVCacheConfig`` construction, changed in place) with
+    the old spellings taken out: the compress-once fields folded into ``values["mode"]``, the
+    build options into ``values["_build_options"]`` (on top of those already there; ``None``
+    when all are the defaults). ``values`` without an old spelling is returned untouched.
+
+    Args:
+        values: the keywords as given.
+        warn_stacklevel: one ``DeprecationWarning`` naming the old spellings and their new
+            form, at this stack level seen from the caller (``warnings.warn``'s count: 2 is
+            the caller's caller); ``None``: no warning.
+
+    Raises:
+        ValueError, TypeError: a bad old value, naming the old field (see :func:`_fold_mode`,
+            :func:`_fold_build`).
+    """
+    old_mode = {k: values.pop(k) for k in ("qfilters_mode", *MODE_FIELDS) if k in values}
+    old_build = {k: values.pop(k) for k in BUILD_FIELDS if k in values}
+    if not (old_mode or old_build):
+        return values
+    if warn_stacklevel is not None:
+        _warn(old_mode, old_build, warn_stacklevel + 2)
+    mode = values.get("mode", STREAMING)
+    if old_mode and isinstance(mode, (Streaming, CompressOnce)):  # (another type: refused later)
+        values["mode"] = _fold_mode(mode, old_mode)
+    if old_build:
+        values["_build_options"] = _fold_build(values.get("_build_options"), old_build)
+    return values
 
 
-def warn_deprecated(old_mode: dict, old_build: dict, stacklevel: int) -> None:
+def _warn(old_mode: dict, old_build: dict, stacklevel: int) -> None:
     """One ``DeprecationWarning`` naming the old spellings given and how to write them now."""
     given = ", ".join(f"{k}={v!r}" for k, v in {**old_mode, **old_build}.items())
     use = []
@@ -44,7 +73,7 @@ def warn_deprecated(old_mode: dict, old_build: dict, stacklevel: int) -> None:
                   DeprecationWarning, stacklevel=stacklevel)
 
 
-def fold_mode(mode, old: dict):
+def _fold_mode(mode, old: dict):
     """``mode`` with the old compress-once fields ``old`` applied on top (what
     ``dataclasses.replace(config, qfilters_growth=...)`` did). Errors name the old fields.
 
@@ -72,15 +101,18 @@ def fold_mode(mode, old: dict):
     return STREAMING
 
 
-def fold_build(carried: BuildOptions | None, old: dict, head_dim) -> BuildOptions | None:
+def _fold_build(carried: BuildOptions | None, old: dict) -> BuildOptions | None:
     """The build options a configuration carries: ``carried`` with the old fields ``old``
-    applied on top, ``None`` when all are the defaults. Errors name the old fields.
+    applied on top, ``None`` when all are the defaults. Errors name the old fields (the
+    configuration checks them against its ``head_dim``).
 
     Raises:
         TypeError, ValueError: see :func:`qfilters_mlx.config.build.check_build`.
     """
+    if carried is not None and not isinstance(carried, BuildOptions):
+        raise TypeError(f"_build_options must be a BuildOptions, got {carried!r}")
     values = {f: getattr(carried or BuildOptions(), f) for f in OLD_BUILD_NAMES}
     values.update({BUILD_FIELDS[k]: v for k, v in old.items()})
-    check_build(**values, head_dim=head_dim, names=OLD_BUILD_NAMES)
+    check_build(**values, names=OLD_BUILD_NAMES)
     options = BuildOptions(**values)
     return options if options.given() else None

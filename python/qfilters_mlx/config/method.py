@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
-from qfilters_mlx.config.build import BuildOptions, DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE, \
-    DEFAULT_MAX_REWIND
+from qfilters_mlx.config.build import (DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_REWIND,
+                                       BuildOptions, check_build)
 from qfilters_mlx.config.checks import check_choice, check_int
 from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
                                               DEFAULT_FILTER_SOURCE, DEFAULT_METHOD,
                                               DEFAULT_N_SINK, DEFAULT_SEED, FILTER_SOURCES,
                                               METHODS, default_recent, default_sign)
-from qfilters_mlx.config.deprecated import fold_build, fold_mode, take_deprecated, warn_deprecated
+from qfilters_mlx.config.deprecated import translate_old_spellings
 from qfilters_mlx.config.modes import STREAMING, CompressOnce, Streaming
 from qfilters_mlx.config.recent import layer_recent, resolve_recent
 
@@ -33,7 +34,7 @@ class _Fields:
     qfilters_filters: object = field(default=None, compare=False, repr=False)
     qfilters_seed: int = DEFAULT_SEED
     mode: Streaming | CompressOnce = STREAMING
-    _build_options: BuildOptions | None = field(default=None, repr=False)
+    _build_options: BuildOptions | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, init=False)
@@ -113,10 +114,8 @@ class KVCacheConfig(_Fields):
             if name in kwargs:
                 raise TypeError(f"KVCacheConfig got multiple values for argument {name!r}")
             kwargs[name] = value
-        old_mode, old_build = take_deprecated(kwargs)
-        if old_mode or old_build:
-            warn_deprecated(old_mode, old_build, stacklevel=3)
-        super().__init__(**_resolved(kwargs, old_mode, old_build))
+        kwargs = translate_old_spellings(kwargs, warn_stacklevel=2)
+        super().__init__(**_resolved(kwargs))
 
     # -- derived values -------------------------------------------------------------------
     @property
@@ -148,8 +147,40 @@ class KVCacheConfig(_Fields):
         return layer_recent(self.protected_recent, layer)
 
     def with_head_dim(self, head_dim: int) -> "KVCacheConfig":
-        """A copy with ``head_dim`` set (validated)."""
-        return replace(self, head_dim=head_dim)
+        """A copy with ``head_dim`` set; ``self`` when it has that ``head_dim`` already. Only
+        ``head_dim`` is checked (the rest was, at construction).
+
+        Raises:
+            TypeError, ValueError: ``head_dim`` is not an int >= 1, or no multiple of the
+                group size of carried ``kv_bits``.
+        """
+        if head_dim == self.head_dim and type(head_dim) is type(self.head_dim):
+            return self
+        check_int("head_dim", head_dim, 1)
+        _check_carried(self._build_options, head_dim)
+        return self._derived(head_dim=head_dim)
+
+    def for_layer(self, layer: int, head_dim: int) -> "KVCacheConfig":
+        """The configuration of budgeted layer ``layer``'s cache: :meth:`with_head_dim`, and
+        that layer's row of a ``[n_layers, n_kv_heads]`` recent table (:meth:`layer_recent`;
+        each row was checked with the table).
+
+        Raises:
+            TypeError, ValueError: what :meth:`with_head_dim` raises; ``layer`` outside the
+                table.
+        """
+        config = self.with_head_dim(head_dim)
+        recent = self.qfilters_recent
+        if isinstance(recent, int) or not isinstance(recent[0], tuple):
+            return config
+        return config._derived(qfilters_recent=layer_recent(recent, layer))
+
+    def _derived(self, **changes) -> "KVCacheConfig":
+        """A copy with ``changes`` set, not validated again (the callers check what changes)."""
+        new = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        return new
 
     def with_build_options(self, options: BuildOptions) -> "KVCacheConfig":
         """A copy that hands ``options`` to a cache made from it alone (``QFiltersKVCache(config)``
@@ -163,7 +194,8 @@ class KVCacheConfig(_Fields):
         """
         if not isinstance(options, BuildOptions):
             raise TypeError(f"options must be a BuildOptions, got {type(options).__name__}")
-        return replace(self, _build_options=options if options.given() else None)
+        _check_carried(options, self.head_dim)
+        return self._derived(_build_options=options if options.given() else None)
 
     # -- the earlier spellings, read without a warning ----------------------------------
     @property
@@ -213,9 +245,23 @@ KVCacheConfig.__signature__ = _SIGNATURE.replace(  # what help() and inspect sho
     parameters=[p for p in _SIGNATURE.parameters.values() if not p.name.startswith("_")])
 
 
-def _resolved(values: dict, old_mode: dict, old_build: dict) -> dict:
-    """The fields of a :class:`KVCacheConfig` from ``values`` (field -> value as given) and
-    the old spellings: checked, ``None`` sign and recent resolved, tables normalised.
+def given_build_options(config: KVCacheConfig) -> BuildOptions | None:
+    """The build options ``config`` hands to the caches built from it (given with its
+    deprecated spelling, ``KVCacheConfig(qfilters_backend=...)``, or
+    :meth:`KVCacheConfig.with_build_options`); ``None`` when it carries none."""
+    return config._build_options
+
+
+def _check_carried(options: BuildOptions | None, head_dim) -> None:
+    """Carried build options against ``head_dim`` (``kv_bits`` needs a multiple of the group)."""
+    if options is not None and head_dim is not None:
+        check_build(options.backend, options.max_rewind, options.kv_bits, options.kv_group_size,
+                    head_dim=head_dim)
+
+
+def _resolved(values: dict) -> dict:
+    """The fields of a :class:`KVCacheConfig` from ``values`` (field -> value as given, the
+    current spellings): checked, ``None`` sign and recent resolved, tables normalised.
     Raises what :class:`KVCacheConfig` documents."""
     v = {f.name: f.default for f in fields(_Fields)}
     unknown = set(values) - set(v)
@@ -229,7 +275,7 @@ def _resolved(values: dict, old_mode: dict, old_build: dict) -> dict:
     check_int("qfilters_n_sink", v["qfilters_n_sink"], 0)
     if not isinstance(v["mode"], (Streaming, CompressOnce)):
         raise TypeError(f"mode must be Streaming() or CompressOnce(...), got {v['mode']!r}")
-    mode = v["mode"] = fold_mode(v["mode"], old_mode)
+    mode = v["mode"]
     once = isinstance(mode, CompressOnce)
     recent = v["qfilters_recent"]
     if recent is None:  # compress-once: no window, as kvpress (the question comes after)
@@ -249,7 +295,7 @@ def _resolved(values: dict, old_mode: dict, old_build: dict) -> dict:
     _check_filter(v)
     if v["_build_options"] is not None and not isinstance(v["_build_options"], BuildOptions):
         raise TypeError(f"_build_options must be a BuildOptions, got {v['_build_options']!r}")
-    v["_build_options"] = fold_build(v["_build_options"], old_build, v["head_dim"])
+    _check_carried(v["_build_options"], v["head_dim"])
     return v
 
 

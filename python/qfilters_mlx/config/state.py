@@ -1,13 +1,12 @@
 """A configuration and its build options as one flat JSON object, the form saved prompt caches
 store (``QFiltersKVCache.state``; the field names of the earlier flat configuration, so files
-saved before and after read alike)."""
+saved before and after read alike: :func:`config_from_state` reads them with
+:func:`~qfilters_mlx.config.deprecated.translate_old_spellings`)."""
 
 from __future__ import annotations
 
-import warnings
-
 from qfilters_mlx.config.build import BuildOptions
-from qfilters_mlx.config.deprecated import BUILD_FIELDS
+from qfilters_mlx.config.deprecated import BUILD_FIELDS, translate_old_spellings
 from qfilters_mlx.config.method import KVCacheConfig
 
 _METHOD_FIELDS = ("method", "head_dim", "qfilters_budget", "qfilters_n_sink", "qfilters_recent",
@@ -34,10 +33,6 @@ def config_from_state(state: dict) -> tuple[KVCacheConfig, BuildOptions]:
     Raises:
         ValueError, TypeError: a value :class:`KVCacheConfig` or :class:`BuildOptions` refuses.
     """
-    state = dict(state)
-    options = BuildOptions(**{new: state.pop(old) for old, new in BUILD_FIELDS.items()
-                              if old in state})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        config = KVCacheConfig(**state)
-    return config, options
+    values = translate_old_spellings(dict(state), warn_stacklevel=None)
+    options = values.pop("_build_options", None) or BuildOptions()
+    return KVCacheConfig(**values), options

@@ -39,8 +39,9 @@ class Arm:
             by ``streaming_llm``, which keeps ``budget - n_sink`` recent tokens.
         family: label that groups arms differing only by ``recent`` (tables, plots).
         filter_source: ``qfilters_filter_source`` (only read by ``qfilters``).
-        cache_factory: optional ``(config, layer_idx) -> cache``; default
-            ``build_cache(config, layer_idx)`` (:mod:`qfilters_mlx.cache.kv_cache`).
+        cache_factory: optional ``(config, layer_idx, **build) -> cache`` (``build``: the
+            build options of :meth:`make_cache`); default ``build_cache(config, layer_idx,
+            **build)`` (:mod:`qfilters_mlx.cache.kv_cache`).
         extra: free-form settings recorded in results (JSON-serialisable).
     """
 
@@ -58,14 +59,13 @@ class Arm:
         return int(self.recent * budget)
 
     def config(self, budget: int, *, n_sink: int = 4, calib_tokens: int = 128, seed: int = 0,
-               backend: str = "auto", head_dim: int | None = None):
-        """The validated ``KVCacheConfig`` of this arm at ``budget``, handing ``backend`` to the
-        caches :meth:`make_cache` makes from it (``KVCacheConfig.with_build_options``).
+               head_dim: int | None = None):
+        """The validated ``KVCacheConfig`` of this arm at ``budget``.
 
         Raises:
             ValueError: the combination is invalid (e.g. ``n_sink + recent >= budget``).
         """
-        from qfilters_mlx.config import BuildOptions, KVCacheConfig
+        from qfilters_mlx.config import KVCacheConfig
 
         return KVCacheConfig(
             method=self.method,
@@ -77,15 +77,17 @@ class Arm:
             qfilters_sign=self.sign,
             qfilters_seed=seed,
             qfilters_filter_source=self.filter_source,
-        ).with_build_options(BuildOptions(backend=backend))
+        )
 
-    def make_cache(self, config, layer_idx: int):
-        """One layer's cache for this arm."""
+    def make_cache(self, config, layer_idx: int, **build):
+        """One layer's cache for this arm; ``build``: build options, the keywords of
+        :func:`~qfilters_mlx.cache.kv_cache.build_cache` (``backend``, ``max_rewind``,
+        ``bits``, ``group_size``)."""
         if self.cache_factory is not None:
-            return self.cache_factory(config, layer_idx)
+            return self.cache_factory(config, layer_idx, **build)
         from qfilters_mlx.cache.kv_cache import build_cache
 
-        return build_cache(config, layer_idx=layer_idx)
+        return build_cache(config, layer_idx=layer_idx, **build)
 
     def describe(self, budget: int, n_sink: int) -> dict:
         """JSON-serialisable settings of this arm at ``budget``."""
@@ -141,10 +143,10 @@ def query_arms(filters=None, recent: Fraction = Fraction(1, 2)) -> list[Arm]:
             family="qfilters-keys-auto"),
     ]
     if filters is not None:
-        def calibrated(config, layer_idx, _f=filters):
+        def calibrated(config, layer_idx, _f=filters, **build):
             from qfilters_mlx.cache.kv_cache import build_cache
 
-            return build_cache(config, layer_idx=layer_idx, filters=_f[layer_idx])
+            return build_cache(config, layer_idx=layer_idx, filters=_f[layer_idx], **build)
 
         arms.append(Arm(name=f"qfilters-calibrated@r{label}", method="qfilters", sign=1,
                         recent=recent, family="qfilters-calibrated", cache_factory=calibrated))
@@ -156,13 +158,13 @@ def perhead_arm(filters, windows: dict) -> Arm:
     calibrated for each budget (``windows[budget]``: ``[n_layers, H_kv]`` from
     :func:`qfilters_mlx.filters.windows.load_windows`). Budgets without windows are
     skipped (its config is refused there)."""
-    def per_head(config, layer_idx, _f=filters, _w=windows):
+    def per_head(config, layer_idx, _f=filters, _w=windows, **build):
         from dataclasses import replace
 
         from qfilters_mlx.cache.kv_cache import build_cache
 
         cfg = replace(config, qfilters_recent=_w[config.qfilters_budget])
-        return build_cache(cfg, layer_idx=layer_idx, filters=_f[layer_idx])
+        return build_cache(cfg, layer_idx=layer_idx, filters=_f[layer_idx], **build)
 
     return Arm(name="qfilters-perhead", method="qfilters", sign=1, recent=Fraction(0),
                family="qfilters-perhead", cache_factory=per_head,
@@ -174,15 +176,14 @@ def retrieval_arms(arms: list[Arm], recent: Fraction = Fraction(1, 2)) -> list[A
     return [a for a in arms if a.method == "streaming_llm" or a.recent == recent]
 
 
-def expand(arms: list[Arm], budgets, *, n_sink: int = 4, calib_tokens: int = 128, seed: int = 0,
-           backend: str = "auto") -> list[tuple[Arm, int, object]]:
+def expand(arms: list[Arm], budgets, *, n_sink: int = 4, calib_tokens: int = 128,
+           seed: int = 0) -> list[tuple[Arm, int, object]]:
     """``(arm, budget, config)`` for every valid combination (invalid ones are skipped)."""
     out = []
     for budget in budgets:
         for arm in arms:
             try:
-                cfg = arm.config(budget, n_sink=n_sink, calib_tokens=calib_tokens, seed=seed,
-                                 backend=backend)
+                cfg = arm.config(budget, n_sink=n_sink, calib_tokens=calib_tokens, seed=seed)
             except ValueError:
                 continue
             out.append((arm, budget, cfg))

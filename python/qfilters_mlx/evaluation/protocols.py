@@ -67,24 +67,23 @@ def protocol_arms(filters=None) -> list[tuple[str, str, object]]:
     return arms
 
 
-def _config(method: str, protocol: str, kept: float, tokens: int, backend: str, head_dim: int):
-    from qfilters_mlx.config import BuildOptions, CompressOnce, KVCacheConfig
+def _config(method: str, protocol: str, kept: float, tokens: int, head_dim: int):
+    from qfilters_mlx.config import CompressOnce, KVCacheConfig
 
-    options = BuildOptions(backend=backend)
     if protocol == "streaming":
         return KVCacheConfig(method=method, head_dim=head_dim, qfilters_budget=max(8, int(tokens * kept)),
-                             qfilters_filter_source="keys", qfilters_sign=1).with_build_options(options)
+                             qfilters_filter_source="keys", qfilters_sign=1)
     return KVCacheConfig(method=method, head_dim=head_dim,
                          mode=CompressOnce(ratio=1.0 - kept, at="manual"),
                          qfilters_n_sink=4 if method == "streaming_llm" else 0,
-                         qfilters_filter_source="keys", qfilters_sign=1).with_build_options(options)
+                         qfilters_filter_source="keys", qfilters_sign=1)
 
 
-def _row(method, filters, config, n_layers):
+def _row(method, filters, config, n_layers, backend: str):
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 
-    return [QFiltersKVCache(config, layer_idx=i, filters=None if filters is None else filters[i])
-            for i in range(n_layers)]
+    return [QFiltersKVCache(config, layer_idx=i, filters=None if filters is None else filters[i],
+                            backend=backend) for i in range(n_layers)]
 
 
 def _continue_greedy(model, caches, tokens: list[int], rows: int, max_tokens: int) -> list[list[int]]:
@@ -143,8 +142,8 @@ def run_protocols(model, tokenizer, text: str, settings: ProtocolSettings, resul
             rows, names = [], []
             for name, method, f in arms:
                 for kept in s.kept:
-                    row = _row(method, f, _config(method, "compress_once", kept, len(context),
-                                                  s.backend, hd), n_layers)
+                    row = _row(method, f, _config(method, "compress_once", kept, len(context), hd),
+                               n_layers, s.backend)
                     for c, (k, v) in zip(row, kv):
                         c.update_and_fetch(k, v)
                     compress_caches(row)
@@ -161,8 +160,8 @@ def run_protocols(model, tokenizer, text: str, settings: ProtocolSettings, resul
             rows, names = [], []
             for name, method, f in arms:
                 for kept in s.kept:
-                    cfg = _config(method, "streaming", kept, len(prompt), s.backend, hd)
-                    rows.append(_row(method, f, cfg, n_layers))
+                    cfg = _config(method, "streaming", kept, len(prompt), hd)
+                    rows.append(_row(method, f, cfg, n_layers, s.backend))
                     names.append((name, method, kept, cfg.qfilters_budget))
             answers = batched_greedy(model, prompt, rows, s.answer_tokens, s.chunk)
             for (name, method, kept, budget), a in zip(names, answers):

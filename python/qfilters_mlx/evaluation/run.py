@@ -56,8 +56,8 @@ class EvalSettings(PerplexitySizes):
                    retrieval_chunk=32, sq_tokens=160, sq_cached=(96,), sq_window=32, quick=True)
 
 
-def _row_caches(arm: Arm, config, n_layers: int) -> list:
-    return [arm.make_cache(config, i) for i in range(n_layers)]
+def _row_caches(arm: Arm, config, n_layers: int, backend: str) -> list:
+    return [arm.make_cache(config, i, backend=backend) for i in range(n_layers)]
 
 
 def _ppl_cell(arm: Arm, budget: int, s: EvalSettings, nll: list[float], full_ppl: float) -> dict:
@@ -114,7 +114,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
     results["text_tokens"] = {"perplexity": [0, n_tok], "score_quality": [0, s.sq_tokens]}
 
     budgets = list(s.budgets) + ([s.check_budget] if s.check_budget else [])
-    kw = dict(n_sink=s.n_sink, calib_tokens=s.calib_tokens, seed=s.seed, backend=s.backend)
+    kw = dict(n_sink=s.n_sink, calib_tokens=s.calib_tokens, seed=s.seed)
     ppl_cells = [(a, b, c) for a, b, c in expand(arms, budgets, **kw)
                  if f"{a.name}@{b}" not in results["perplexity"]] if "perplexity" in parts else []
     r_arms = retrieval_arms(arms)
@@ -173,7 +173,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
     for budget in sorted({b for _, b, _ in ppl_cells}):
         cells = [x for x in ppl_cells if x[1] == budget]
         full_ppl = results["perplexity"]["full"]["ppl"]
-        rows = [_row_caches(a, c.with_head_dim(hd), n_layers) for a, _, c in cells]
+        rows = [_row_caches(a, c.with_head_dim(hd), n_layers, s.backend) for a, _, c in cells]
         nlls = batched_streaming_nll(model, tokens, rows, s.ppl_prefix,
                                      on_step=lambda n: progress(n, f"perplexity @{budget}"))
         for (a, b, _), nll in zip(cells, nlls):
@@ -185,7 +185,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
     if s.quick and ppl_cells:
         # Seeded and reproducible, and batched == alone: the random arm again, on its own.
         a, b, c = next((a, b, c) for a, b, c in ppl_cells if a.method == "random" and b in s.budgets)
-        nll = batched_streaming_nll(model, tokens, [_row_caches(a, c.with_head_dim(hd), n_layers)],
+        nll = batched_streaming_nll(model, tokens, [_row_caches(a, c.with_head_dim(hd), n_layers, s.backend)],
                                     s.ppl_prefix)[0]
         results["perplexity"][f"{a.name}@{b}"]["nll_rerun_alone"] = nll
         save(results)
@@ -210,7 +210,7 @@ def run_evaluation(model, tokenizer, text: str, settings: EvalSettings, results:
             record(f"full@{ctx}@{depth}", {"arm": "full", "method": "full", "budget": None}, ans)
             save(results)
         if cells:
-            rows = [_row_caches(a, c.with_head_dim(hd), n_layers) for a, _, c in cells]
+            rows = [_row_caches(a, c.with_head_dim(hd), n_layers, s.backend) for a, _, c in cells]
             answers = batched_greedy(model, prompt, rows, s.retrieval_answer_tokens, s.retrieval_chunk,
                                      on_call)
             for (a, b, _), ans in zip(cells, answers):

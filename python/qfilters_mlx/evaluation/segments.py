@@ -80,7 +80,7 @@ def run_segments(model, tokenizer, text: str, settings: SegmentSettings, arms: l
     hd = model_head_dim(model)
     n_layers = len(model.layers)
     n = s.ppl_prefix + s.ppl_scored
-    kw = dict(n_sink=s.n_sink, calib_tokens=s.calib_tokens, seed=s.seed, backend=s.backend)
+    kw = dict(n_sink=s.n_sink, calib_tokens=s.calib_tokens, seed=s.seed)
     for seg in s.segments:
         cells = out.setdefault(seg, {})
         tokens, span = segment_tokens(tokenizer, text, seg, n)
@@ -93,7 +93,8 @@ def run_segments(model, tokenizer, text: str, settings: SegmentSettings, arms: l
         todo = [(a, b, c) for a, b, c in expand(arms, list(s.budgets), **kw) if f"{a.name}@{b}" not in cells]
         if not todo:
             continue
-        rows = [[a.make_cache(c.with_head_dim(hd), i) for i in range(n_layers)] for a, _, c in todo]
+        rows = [[a.make_cache(c.with_head_dim(hd), i, backend=s.backend) for i in range(n_layers)]
+                for a, _, c in todo]
         nlls = batched_streaming_nll(model, tokens, rows, s.ppl_prefix,
                                      on_step=lambda k, seg=seg: progress(k, f"segment {seg}"))
         full = cells["full"]["ppl"]

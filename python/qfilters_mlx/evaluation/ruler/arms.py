@@ -92,12 +92,11 @@ def streaming_row(arm: RulerArm, ratio: float, context_tokens: int, head_dim: in
         ValueError: the budget is too small for the arm's sinks and window, or filters are missing.
     """
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
-    from qfilters_mlx.config import BuildOptions, KVCacheConfig
+    from qfilters_mlx.config import KVCacheConfig
 
     budget = int((1 - ratio) * context_tokens)
     cfg = KVCacheConfig(method=arm.method, head_dim=head_dim, qfilters_budget=budget, qfilters_sign=1,
                         qfilters_filter_source="queries" if arm.filters == "online" else "keys",
-                        qfilters_calib_tokens=calib_tokens, qfilters_seed=seed,
-                        ).with_build_options(BuildOptions(backend=backend))
+                        qfilters_calib_tokens=calib_tokens, qfilters_seed=seed)
     filters = [None] * n_layers if arm.filters == "online" else layer_filters(arm, calibrated, None, n_layers)
-    return [QFiltersKVCache(cfg, layer_idx=i, filters=f) for i, f in enumerate(filters)]
+    return [QFiltersKVCache(cfg, layer_idx=i, filters=f, backend=backend) for i, f in enumerate(filters)]

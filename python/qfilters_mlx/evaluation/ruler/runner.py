@@ -133,15 +133,14 @@ def _prefill(split, model, context: list[int], chunk: int, head_dim: int, calib_
     from mlx_lm.models.cache import KVCache
 
     from qfilters_mlx.cache.kv_cache import QFiltersKVCache
-    from qfilters_mlx.config import BuildOptions, CompressOnce, KVCacheConfig
+    from qfilters_mlx.config import CompressOnce, KVCacheConfig
     from qfilters_mlx.filters.observe import observe_queries
 
     n_layers = len(model.layers)
     if online:
         cfg = KVCacheConfig(method="qfilters", head_dim=head_dim, mode=CompressOnce(at="manual"),
-                            qfilters_filter_source="queries", qfilters_calib_tokens=calib_tokens,
-                            ).with_build_options(BuildOptions(backend=backend))
-        caches = [QFiltersKVCache(cfg, layer_idx=i) for i in range(n_layers)]
+                            qfilters_filter_source="queries", qfilters_calib_tokens=calib_tokens)
+        caches = [QFiltersKVCache(cfg, layer_idx=i, backend=backend) for i in range(n_layers)]
         with observe_queries(model, caches):
             for i in range(0, len(context), chunk):
                 split.body(mx.array(context[i:i + chunk])[None], cache=caches)
