@@ -14,7 +14,8 @@ import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
-from qfilters_mlx.config import BuildOptions, KVCacheConfig, merge_options, per_layer_table
+from qfilters_mlx.config import (BuildOptions, KVCacheConfig, given_build_options, merge_options,
+                                 per_layer_table)
 from qfilters_mlx.config.deprecated import OLD_BUILD_NAMES
 from qfilters_mlx.model_info import CacheSlot, default_caches, probe_layout, replace_at, walk
 
@@ -170,8 +171,7 @@ class KVCacheBuilder:
         keywords = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
                         kv_group_size=kv_group_size)
         given = {k: keywords[k] if keywords[k] is not None else v for k, v in self._given().items()}
-        c = _checked(config)  # what it carries from its deprecated spelling (else the defaults)
-        carried = BuildOptions(c.qfilters_backend, c.qfilters_max_rewind, c.kv_bits, c.kv_group_size)
+        carried = given_build_options(_checked(config))  # (from its deprecated spelling)
         return merge_options(carried, given, OLD_BUILD_NAMES)
 
     @_BuilderMethod

@@ -4,7 +4,7 @@ mlx-lm rewinds rejected draft tokens with ``trim(n)`` (speculative decoding) and
 trims fetched prompt caches to a shared prefix (``LRUPromptCache``). Before the
 first eviction every row is still stored and ``trim`` just drops rows. After
 it, each call may have overwritten or evicted rows, so the cache keeps, for its
-last calls covering at least ``qfilters_max_rewind`` tokens, one record per call
+last calls covering at least ``max_rewind`` tokens, one record per call
 that undoes it exactly (:class:`CallRecord`, :class:`StepRecord`). A rewind of
 ``n`` tokens undoes whole records, newest first, and when ``n`` ends inside a
 multi-token call it re-applies that call's first tokens (kept in the record)

@@ -118,7 +118,7 @@ def check_quantized_kv_args(parser, args) -> None:
         parser.error(f"--quantized-kv-start must be >= 0, got {start}")
     if bits is not None and getattr(args, "draft_model", None) is not None:
         parser.error("--kv-bits with --draft-model: a quantized eviction cache cannot rewind "
-                     "rejected drafts (qfilters_max_rewind must be 0)")
+                     "rejected drafts (max_rewind must be 0)")
     args.kv_group_size = DEFAULT_KV_GROUP_SIZE if group is None else group
     args.quantized_kv_start = DEFAULT_QUANTIZED_KV_START if start is None else start
 

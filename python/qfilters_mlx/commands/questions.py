@@ -6,8 +6,8 @@ question), the caches are compressed once (:func:`qfilters_mlx.compress_caches`)
 each question (with the rest of the template) is answered by mlx-lm's
 ``stream_generate`` from its own deep copy of the compressed caches, so no question
 is ever compressed and no question sees another. ``--compression-ratio`` with a plain
-``--prompt`` compresses the prompt at its end instead (``qfilters_compress_at=
-"prompt_end"``: the question is then inside the compression).
+``--prompt`` compresses the prompt at its end instead (``CompressOnce(at="prompt_end")``:
+the question is then inside the compression).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ to the shared prefix). Here, for eviction caches:
 
 * **what an entry holds at rest**: each stored cache is cut to what it needs
   (:meth:`QFiltersKVCache.shrink_to_fit`): its kept rows (the budget; ``budget + 1`` slots
-  in decode) and at most ``qfilters_max_rewind`` rows of rewind journal, as buffers of its
+  in decode) and at most ``max_rewind`` rows of rewind journal, as buffers of its
   own (a copy that is a view of a batch's or a prefill chunk's larger buffer would keep
   that buffer alive). The bytes counted (``nbytes``) are then the bytes the process holds.
 * **which entries are kept** (per conversation at most a prompt checkpoint and its answer,
