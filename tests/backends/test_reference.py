@@ -158,8 +158,9 @@ def test_filter_ignores_nonfinite_rows():
 
 
 def test_errors_name_the_argument_and_the_expected_shape():
-    """README: a bad input raises before anything runs, naming the argument (the mutation check
-    needs a test that reads the argument and axis each message names)."""
+    """docs/mlx-lm.md ("Bad input"): a bad input raises before anything runs, naming the
+    argument (the mutation check needs a test that reads the argument and axis each message
+    names)."""
     k, f = mx.zeros((1, 2, 3, 4)), mx.zeros((2, 4))
     cases = [
         (lambda: ref.projection_scores(k[0], f), ValueError, r"^keys must have 4 dimensions, got shape \(2, 3, 4\)$"),
@@ -440,7 +441,7 @@ def np_query_filter(q, n_kv):
 
 
 def test_query_calibration_keeps_exactly_the_first_calib_queries_whatever_the_calls():
-    """README: the filter comes from the first calib_tokens queries; state carries them."""
+    """docs/method.md: the filter comes from the first calib_tokens queries; state carries them."""
     rng = np.random.default_rng(5)
     B, Hq, H, D, calib = 1, 4, 2, 8, 8
     for lengths in [(3, 10), (7, 1), (2, 2, 2, 2), (8,), (5, 3, 4)]:
@@ -505,7 +506,7 @@ def test_to_quantized_defaults_are_mlx_lm_defaults():
 
 
 def test_random_scores_are_the_documented_hash_in_unit_interval():
-    """README's random arm: (hash >> 8) / 2**24, uniform in [0, 1) (test_properties' numpy hash)."""
+    """The random arm (docs/configuration.md): (hash >> 8) / 2**24, uniform in [0, 1) (test_properties' numpy hash)."""
     from qfilters_mlx.cache.kv_cache import random_scores
     from helpers.oracle import np_random_scores
 

@@ -543,7 +543,8 @@ def test_constructor_rejects_each_bad_filters_naming_the_argument():
 
 def test_default_layer_is_layer_zero_for_the_random_arm():
     """Built without ``layer_idx`` a cache is layer 0: the random arm scores with the hash of
-    (seed, layer 0, head, position) (docs/configuration.md, "Eviction methods": the random arm; numpy hash of test_properties)."""
+    (seed, layer 0, head, position) (the random arm, docs/configuration.md "Eviction methods";
+    numpy hash of test_properties)."""
     T, seed = 40, 9
     k, v, _ = int_data(T, seed=1)
     cfg = KVCacheConfig(method="random", qfilters_budget=10, qfilters_n_sink=1, qfilters_recent=2,
@@ -561,7 +562,7 @@ def test_default_layer_is_layer_zero_for_the_random_arm():
 
 def test_a_trim_back_into_calibration_waits_for_the_next_calls_queries_only():
     """Once calibrated, observe_queries owes nothing; a trim back below ``calib_tokens`` drops
-    the filter (README, rewinds), and the next update goes ahead (no queries are owed from
+    the filter (docs/method.md), and the next update goes ahead (no queries are owed from
     before the trim) and re-estimates the filter exactly as a cache that never saw the
     trimmed tokens (both fed the same kept queries and the same new call)."""
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=16, qfilters_calib_tokens=8,
@@ -608,7 +609,7 @@ def test_queries_of_no_tokens_after_a_trim_to_nothing_keep_nothing():
 
 
 def test_query_calibrated_cache_refuses_updates_outside_observe_queries():
-    """README: a cache estimating its filter from queries must run inside observe_queries;
+    """docs/method.md: a cache estimating its filter from queries must run inside observe_queries;
     a fresh one (never observed) raises before storing anything."""
     cfg = KVCacheConfig(method="qfilters", qfilters_budget=8, qfilters_calib_tokens=4,
                         qfilters_filter_source="queries")
@@ -683,7 +684,7 @@ def test_compress_once_growth_appends_into_step_blocks():
 
 # ---------------------------------------------------------------- rewinds
 def test_rewind_of_the_first_eviction_restores_capacity_and_bytes():
-    """README: a rewind leaves the cache as one that never saw the removed tokens, here down
+    """docs/mlx-lm.md: a rewind leaves the cache as one that never saw the removed tokens, here down
     to its buffers' capacity and ``nbytes``; both then continue identically (numpy model)."""
     k, v, f = int_data(60, seed=4)
     a, b = fixed_cache(f, depth=6), fixed_cache(f, depth=6)
@@ -707,7 +708,7 @@ def test_rewind_of_the_first_eviction_restores_capacity_and_bytes():
 
 def test_rewind_after_eviction_keeps_the_eviction_flag_and_the_journal_reach():
     """After a rewind the cache is still evicted: ``trim`` goes on through the journal, whose
-    reach is what the rewind left (README: fewer right after a rewind); deeper raises."""
+    reach is what the rewind left (fewer right after a rewind); deeper raises."""
     k, v, f = int_data(40, seed=5)
     a, b = fixed_cache(f, depth=6), fixed_cache(f, depth=6)
     feed_cache(a, k, v, [16, 3, 3])  # the journal covers the newest calls holding >= 6 tokens: 3 + 3
@@ -732,7 +733,7 @@ def test_rewind_after_eviction_keeps_the_eviction_flag_and_the_journal_reach():
 
 
 def test_state_after_eviction_holds_no_queries_and_round_trips(tmp_path):
-    """README/state: the first queries are kept only until the first eviction (``None`` after);
+    """docs/method.md / state: the first queries are kept only until the first eviction (``None`` after);
     the saved cache reloads and continues bit for bit."""
     k, v, f = int_data(40, seed=6)
     c = fixed_cache(f, budget=10, depth=4)
@@ -748,7 +749,7 @@ def test_state_after_eviction_holds_no_queries_and_round_trips(tmp_path):
 
 # ----------------------------------------------------------- backends, modes
 def test_cpp_backend_scores_do_not_depend_on_chunking():
-    """README: the kept set, K/V and scores are a pure function of the tokens fed, bit for bit,
+    """docs/method.md: the kept set, K/V and scores are a pure function of the tokens fed, bit for bit,
     whatever the chunking: prefill calls and slot-mode decode steps score a key alike with the
     configured backend (cpp here, whose float32 sums differ from the reference's in the last
     bits, so a call scored by another backend would show)."""

@@ -683,7 +683,7 @@ def test_queries_that_do_not_fit_change_nothing_not_even_the_journal():
 #
 # References: a cache that never saw the rewound tokens (``tests/cache/test_cache.py``'s
 # ``assert_same``: state, meta, offset, size, nbytes, journal bytes), a fresh cache, and
-# the rules of the README/docstrings written out.
+# the rules of the docs and docstrings written out.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -765,7 +765,7 @@ def test_a_copy_is_unobserved_like_a_fresh_cache(how):
 
 # ------------------------------------------------------------------ rewinds
 def assert_same_but_journal(a, b):
-    """``assert_same`` less the journal, which a rewind uses up (README: fewer rewindable
+    """``assert_same`` less the journal, which a rewind uses up (docs/mlx-lm.md: fewer rewindable
     tokens right after a rewind): state, meta, offset, size and the buffers' bytes."""
     (xa, ma, oa, sa, na, ja), (xb, mb, ob, sb, nb, jb) = observable_cache(a), observable_cache(b)
     for x, y in zip(xa, xb):
