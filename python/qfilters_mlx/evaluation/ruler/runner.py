@@ -17,6 +17,9 @@ Teacher forcing in the streaming protocol feeds the answer in one call after the
 chunk, so the cache does not evict between answer tokens as it does between decoded tokens:
 a difference of at most ``len(answer) - 1`` kept tokens, measured by the validation subset.
 
+Every attention call of a sample runs with the softmax in C (:mod:`.attention`: MLX's bits,
+several times faster on a CPU), where a C compiler is found.
+
 No I/O: the caller loads and saves the per-sample records (``load(key)`` / ``save(key, record)``).
 """
 
@@ -31,6 +34,7 @@ from typing import Callable
 import mlx.core as mx
 
 from qfilters_mlx.evaluation.ruler.arms import DEFAULT_COMPRESS_ARMS, STREAMING_ARMS, arm_by_name
+from qfilters_mlx.evaluation.ruler.attention import fast_attention
 from qfilters_mlx.evaluation.ruler.decode import greedy, greedy_from
 from qfilters_mlx.evaluation.ruler.forced import forced_scores, gold_answer, split_model, summarize
 from qfilters_mlx.evaluation.ruler.prompt import fit, sample_tokens
@@ -162,6 +166,7 @@ def _rows(x: list[int], n: int) -> mx.array:
     return mx.broadcast_to(mx.array(x)[None], (n, len(x)))
 
 
+@fast_attention()
 def run_sample(model, tokenizer, record: dict, context: list[int], question: list[int], outputs,
                max_new_tokens: int, s: RulerSettings, calibrated=None, split=None) -> dict:
     """Fill ``record`` with the answers of ``s`` it lacks (:func:`_todo`); returns ``record``.
