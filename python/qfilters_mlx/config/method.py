@@ -184,9 +184,9 @@ class KVCacheConfig(_Fields):
 
     def with_build_options(self, options: BuildOptions) -> "KVCacheConfig":
         """A copy that hands ``options`` to a cache made from it alone (``QFiltersKVCache(config)``
-        reads them as ``config.qfilters_backend`` ...), for code that passes one object to where
-        caches are made (evaluation arms, saved caches). Where caches are built, prefer the
-        keywords of ``KVCacheBuilder`` and the cache constructors.
+        reads them as ``config.qfilters_backend`` ...; :func:`given_build_options` returns them):
+        what a saved cache's loader hands on. Where caches are built, pass the keywords of
+        ``KVCacheBuilder`` and the cache constructors instead.
 
         Raises:
             TypeError: ``options`` is not a :class:`BuildOptions`.
