@@ -2,7 +2,7 @@
 
 No model: keys, values and queries are drawn per (regime, length, seed, head), every arm selects
 ``budget`` tokens with the package's own scorers and selection (``qfilters_mlx.backends.reference``,
-``qfilters_mlx.cache.scorers``), and the attention output of held-out probe queries over the kept set is
+``qfilters_mlx.scorers``), and the attention output of held-out probe queries over the kept set is
 compared with the output over all tokens.
 
 Regimes
