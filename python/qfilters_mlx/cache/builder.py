@@ -14,6 +14,7 @@ import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
+from qfilters_mlx.cache.speculative import guard_speculative
 from qfilters_mlx.config import (BuildOptions, KVCacheConfig, given_build_options, merge_options,
                                  per_layer_table)
 from qfilters_mlx.config.deprecated import OLD_BUILD_NAMES
@@ -244,6 +245,8 @@ class KVCacheBuilder:
         """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
         options = self.options_for(config, **keywords)
         from qfilters_mlx.sharding import check_shards, shard_info
+
+        guard_speculative()  # draft caches of mlx-lm's speculative decoding asked too
 
         check_shards(model)  # a tensor-parallel rank holds whole KV heads
         slots = probe_layout(model)

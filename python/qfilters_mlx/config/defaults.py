@@ -4,8 +4,11 @@ the measurements in bench/results/eval_smollm2.md."""
 
 from __future__ import annotations
 
-METHODS = ("qfilters", "l2norm", "streaming_llm", "random", "full")
-"""Eviction methods sharing one engine (docs/configuration.md, "Eviction methods")."""
+from qfilters_mlx.scorers import scorer_names
+
+METHODS = scorer_names()
+"""The built-in eviction methods (docs/configuration.md, "Eviction methods"); a scorer
+registered later (:func:`qfilters_mlx.scorers.register`) is a valid ``method`` too."""
 
 FILTER_SOURCES = ("calibrated", "queries", "keys")
 """Where the Q-Filter comes from: ``"calibrated"`` (the paper's offline query estimator, found

@@ -13,10 +13,11 @@ from qfilters_mlx.config.checks import check_choice, check_int
 from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
                                               DEFAULT_FILTER_SOURCE, DEFAULT_METHOD,
                                               DEFAULT_N_SINK, DEFAULT_SEED, FILTER_SOURCES,
-                                              METHODS, default_recent, default_sign)
+                                              default_recent, default_sign)
 from qfilters_mlx.config.deprecated import translate_old_spellings
 from qfilters_mlx.config.modes import STREAMING, CompressOnce, Streaming
 from qfilters_mlx.config.recent import layer_recent, resolve_recent
+from qfilters_mlx.scorers import scorer_class
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class KVCacheConfig(_Fields):
     (:class:`qfilters_mlx.config.BuildOptions`).
 
     Attributes:
-        method: ``"qfilters"`` (default), ``"l2norm"``, ``"streaming_llm"``, ``"random"`` or
-            ``"full"`` (:data:`METHODS`).
+        method: ``"qfilters"`` (default), ``"l2norm"``, ``"streaming_llm"``, ``"random"``,
+            ``"full"`` (:data:`METHODS`) or another registered scorer's name
+            (:mod:`qfilters_mlx.scorers`).
         head_dim: key head width ``D``; ``None`` (default) takes each layer's from the model.
         qfilters_budget: tokens kept per layer, KV head and batch row after each call, sinks
             and recent window included (default 256; every method but ``full``).
@@ -121,8 +123,13 @@ class KVCacheConfig(_Fields):
     @property
     def needs_queries(self) -> bool:
         """Whether the online filter needs observed queries (query source or auto sign)."""
-        return (self.method == "qfilters" and self.qfilters_filters is None
+        return (self.scorer.uses_filter and self.qfilters_filters is None
                 and (self.qfilters_filter_source == "queries" or self.qfilters_sign == "auto"))
+
+    @property
+    def scorer(self) -> type:
+        """The :class:`~qfilters_mlx.scorers.Scorer` class registered as ``method``."""
+        return scorer_class(self.method)
 
     @property
     def score_sign(self) -> int:
@@ -132,7 +139,7 @@ class KVCacheConfig(_Fields):
     @property
     def protected_recent(self):
         """Trailing positions kept unconditionally (``budget - n_sink`` for StreamingLLM)."""
-        if self.method == "streaming_llm":
+        if not self.scorer.ranks:
             return self.qfilters_budget - self.qfilters_n_sink
         return self.qfilters_recent
 
@@ -268,7 +275,7 @@ def _resolved(values: dict) -> dict:
     if unknown:
         raise TypeError(f"KVCacheConfig got unexpected keyword arguments {sorted(unknown)}")
     v.update(values)
-    check_choice("method", v["method"], METHODS)
+    scorer = scorer_class(v["method"])  # (ValueError naming the registered methods)
     if v["head_dim"] is not None:
         check_int("head_dim", v["head_dim"], 1)
     check_int("qfilters_budget", v["qfilters_budget"], 1)
@@ -281,7 +288,7 @@ def _resolved(values: dict) -> dict:
     if recent is None:  # compress-once: no window, as kvpress (the question comes after)
         recent = 0 if once else default_recent(v["qfilters_budget"], v["qfilters_n_sink"])
     recent = v["qfilters_recent"] = resolve_recent(
-        recent, v["qfilters_budget"], v["qfilters_n_sink"], v["method"], v["qfilters_filters"])
+        recent, v["qfilters_budget"], v["qfilters_n_sink"], scorer.ranks, v["qfilters_filters"])
     if isinstance(recent, int):
         check_int("qfilters_recent", recent, 0)
     elif once:
@@ -291,7 +298,7 @@ def _resolved(values: dict) -> dict:
         v["qfilters_sign"] = default_sign(v["qfilters_filter_source"])
     check_int("qfilters_calib_tokens", v["qfilters_calib_tokens"], 1)
     check_int("qfilters_seed", v["qfilters_seed"], 0, 2**63 - 1)
-    _check_counts(v, mode)
+    _check_counts(v, mode, scorer)
     _check_filter(v)
     if v["_build_options"] is not None and not isinstance(v["_build_options"], BuildOptions):
         raise TypeError(f"_build_options must be a BuildOptions, got {v['_build_options']!r}")
@@ -299,16 +306,16 @@ def _resolved(values: dict) -> dict:
     return v
 
 
-def _check_counts(v: dict, mode) -> None:
+def _check_counts(v: dict, mode, scorer) -> None:
     """Sinks, window and budget against each other; compress-once needs an eviction method."""
     budget, n_sink, recent = v["qfilters_budget"], v["qfilters_n_sink"], v["qfilters_recent"]
     if n_sink >= budget:
         raise ValueError(f"qfilters_n_sink ({n_sink}) must be smaller than qfilters_budget ({budget})")
-    if isinstance(mode, CompressOnce) and v["method"] == "full":
-        raise ValueError("mode=CompressOnce (qfilters_mode='compress_once') needs an eviction "
-                         "method; method='full' keeps every token")
+    if isinstance(mode, CompressOnce) and not scorer.evicts:
+        raise ValueError(f"mode=CompressOnce needs an eviction method; method={v['method']!r} "
+                         "keeps every token")
     ratio = getattr(mode, "ratio", None)
-    if (v["method"] != "streaming_llm" and ratio is None and isinstance(recent, int)
+    if (scorer.ranks and ratio is None and isinstance(recent, int)
             and n_sink + recent >= budget):
         raise ValueError(f"qfilters_n_sink + qfilters_recent ({n_sink} + {recent}) must be "
                          f"smaller than qfilters_budget ({budget}): no slot would be left for "

@@ -40,14 +40,16 @@ def _as_nested_ints(value) -> tuple:
     return tuple(int(v) for v in rows)
 
 
-def resolve_recent(recent, budget: int, n_sink: int, method: str, filters):
+def resolve_recent(recent, budget: int, n_sink: int, ranks: bool, filters):
     """The normalised ``qfilters_recent`` (int, or a tuple table), checked.
 
     Args:
         recent: the field as given (``None`` is resolved by the caller).
-        budget, n_sink, method: the config's (per-head windows need ``n_sink + w <= budget``:
+        budget, n_sink: the config's (per-head windows need ``n_sink + w <= budget``:
             a head may keep only sinks and recent tokens; the scalar rule of the config,
             ``n_sink + recent < budget``, is unchanged).
+        ranks: the method's scorer ranks by score (:attr:`Scorer.ranks`); one that keeps by
+            position only ignores the windows, which are then not checked.
         filters: ``qfilters_filters`` (a path for ``"calibrated"``).
 
     Raises:
@@ -71,7 +73,7 @@ def resolve_recent(recent, budget: int, n_sink: int, method: str, filters):
     if isinstance(recent, bool):
         raise TypeError(f"qfilters_recent must be an int, got bool ({recent!r})")
     table = _as_nested_ints(recent)
-    if method != "streaming_llm":
+    if ranks:
         rows = table if isinstance(table[0], tuple) else (table,)
         for layer, row in enumerate(rows):
             for head, w in enumerate(row):
