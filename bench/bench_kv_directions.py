@@ -47,6 +47,7 @@ import bench_held_out_perplexity as g1
 import bench_recall_beyond_window as g2
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import calibration_text, source_text
+from qfilters_mlx.evaluation.bootstrap import gap_ratio
 from qfilters_mlx.evaluation.kv_scores import kv_score_arm
 from qfilters_mlx.evaluation.perplexity import perplexity
 from qfilters_mlx.evaluation.pooled import pooled_ratio_bootstrap
@@ -59,8 +60,8 @@ OUT = common.RESULTS / "kv_directions.json"
 G1_FILE, G2_FILE = common.RESULTS / "held_out_perplexity.json", common.RESULTS / "recall_beyond_window.json"
 SCORES = {"value-mix": {"filter": 1.0, "value": 1.0}, "novelty": {"novelty": 1.0},
           "novelty-mix": {"filter": 1.0, "novelty": 1.0}}
-ARMS = ("value-mix", "novelty", "novelty-mix", "heads-needle-4", "heads-far-4", "heads-needle-4q",
-        "heads-needle-4x3", "heads-needle-8x3", "heads-needle-4x6", "heads-needle-4x3q")
+ARMS = ("value-mix", "novelty", "novelty-mix", "heads-far-4", "heads-needle-4", "heads-needle-4q",
+        "heads-needle-4x3q", "heads-needle-8x3q", "heads-needle-4x6q")
 CALIB_OFFSETS, CALIB_DEPTHS = (170_000, 185_000), (0.1, 0.3, 0.5)
 
 
@@ -162,17 +163,21 @@ def g1_summary(results: dict) -> dict:
     mine = results.get("g1", {})
     arms = ["default", "oracle"] + [x for x in ARMS if all(f"{x}@{b}" in mine.get(s, {}) for s in segs
                                                               for b in budgets)]
-    nll = {(x, b): [(S[s] if x in ("default", "oracle") else mine[s])[f"{x}@{b}"]["nll"] for s in segs]
+    nll = {(x, b): [(S[s] if x in ("streaming_llm", "default", "oracle") else mine[s])[f"{x}@{b}"]["nll"] for s in segs]
            for x in arms + ["streaming_llm"] for b in budgets}
     full = [S[s]["full"]["nll"] for s in segs]
     pooled = pooled_ratio_bootstrap(nll, full, block=64, n_boot=2000, seed=0)
-    out = {"segments": segs, "budgets": budgets, "arms": {}}
+    out = {"segments": segs, "budgets": budgets, "arms": {}, "cells": {}}
     for x in arms:
-        from qfilters_mlx.evaluation.bootstrap import gap_ratio
-
         worst = max((gap_ratio(nll[x, b][i], nll["streaming_llm", b][i], full[i]), segs[i], b)
                     for i in range(len(segs)) for b in budgets)
         out["arms"][x] = {"pooled": {str(k): v for k, v in pooled[x].items()}, "worst_cell": worst}
+    for x in ARMS:  # every (segment, budget) cell run, complete or not
+        for s in segs:
+            got = {b: gap_ratio(mine[s][f"{x}@{b}"]["nll"], S[s][f"streaming_llm@{b}"]["nll"], S[s]["full"]["nll"])
+                   for b in budgets if f"{x}@{b}" in mine.get(s, {})}
+            if got:
+                out["cells"].setdefault(x, {})[s] = got
     return out
 
 
@@ -219,6 +224,13 @@ def markdown(results: dict) -> str:
                                  for b in s1["budgets"] + ["all"]] + [f"{w[0]:.2f} ({w[1]}, {w[2]})"])
         lines += common.md_table(["arm"] + [f"budget {b}" for b in s1["budgets"]] + ["all budgets", "worst cell"],
                                  rows) + [""]
+    if s1 and s1["cells"]:
+        bs = s1["budgets"]
+        lines += ["G1 per (segment, budget) cell: gap ratio to StreamingLLM (point estimates; every cell run, "
+                  "complete arms or not):", ""]
+        rows = [[arm, seg] + [f"{c[str(b)]:.2f}" if str(b) in c else "-" for b in bs]
+                for arm, per in s1["cells"].items() for seg, c in per.items()]
+        lines += common.md_table(["arm", "segment"] + [f"budget {b}" for b in bs], rows) + [""]
     if results.get("rankings"):
         lines += ["Head measures: " + "; ".join(f"{k}: {v.get('prompts', v.get('tokens'))} "
                                                 f"{'prompts' if 'prompts' in v else 'tokens'}, {v['seconds']} s"
