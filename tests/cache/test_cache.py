@@ -428,6 +428,7 @@ def test_right_sign_beats_random_under_paper_geometry():
 
 H, D = 2, 8
 STEP = 256  # QFiltersKVCache.step: buffers grow in blocks of 256 rows (as mlx-lm's KVCache)
+COMPRESSED_STEP = 32  # QFiltersKVCache.compressed_step: ... of 32 rows after a compression
 
 
 def int_data(T, seed=0, H=H, D=D):
@@ -499,10 +500,10 @@ def assert_same_view(va, vb):
     assert ma == mb and sa == sb
 
 
-def cap_rows(rows, budget=None):
-    """Buffer rows after ``rows`` no longer fit: the smallest multiple of ``STEP`` holding them;
+def cap_rows(rows, budget=None, step=STEP):
+    """Buffer rows after ``rows`` no longer fit: the smallest multiple of ``step`` holding them;
     for a cache evicting to ``budget``, at most ``max(rows, budget + 1)`` (budget + the chunk)."""
-    step = STEP * math.ceil(rows / STEP)
+    step = step * math.ceil(rows / step)
     return step if budget is None else min(step, max(rows, budget + 1))
 
 
@@ -668,7 +669,7 @@ def test_a_budgeted_cache_never_holds_more_than_the_budget_plus_the_chunk(chunks
 
 def test_compress_once_growth_appends_into_step_blocks():
     """Compress-once: the compression keeps exactly K rows; later tokens are appended (no
-    eviction without ``CompressOnce.growth``) into buffers grown in 256-row blocks."""
+    eviction without ``CompressOnce.growth``) into buffers grown in 32-row blocks (256 before it)."""
     k, v, f = int_data(40, seed=3)
     cfg = KVCacheConfig(method="qfilters", mode=CompressOnce(at="manual"), qfilters_budget=8,
                         qfilters_n_sink=2, qfilters_recent=2)
@@ -676,7 +677,7 @@ def test_compress_once_growth_appends_into_step_blocks():
     feed_cache(c, k, v, [20])
     assert c.compress() == 8 and c.nbytes == bytes_at(8)
     feed_cache(c, k, v, [5, 1], start=20)
-    assert c.size() == 14 and c.nbytes == bytes_at(cap_rows(14))
+    assert c.size() == 14 and c.nbytes == bytes_at(cap_rows(14, step=COMPRESSED_STEP))
     s = model_scores("qfilters", k, f, 1)[0]
     kept = np.stack([np.concatenate([model_keep(s[h, :20], 8, 2, 2), np.arange(20, 26)]) for h in range(H)])
     np.testing.assert_array_equal(np.array(c.kept_positions())[0], kept)

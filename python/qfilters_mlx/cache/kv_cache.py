@@ -57,8 +57,7 @@ from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, RewindJournal, StepRecord, dropped_rows
 from qfilters_mlx.cache.masks import make_mask
 from qfilters_mlx.cache.quantized import QuantizedRows, check_quantization, quantized_copy
-from qfilters_mlx.config import KVCacheConfig
-from qfilters_mlx.config import check_int
+from qfilters_mlx.config import BuildOptions, KVCacheConfig, check_int, given_build_options
 from qfilters_mlx.config.build import AUTO
 from qfilters_mlx.scorers import insertion_scores, random_scores
 
@@ -114,27 +113,29 @@ class QFiltersKVCache(_BaseCache):
 
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | None = None,
                  *, backend: str | None = None, max_rewind: int | None = None):
-        if isinstance(config, KVCacheConfig) and config.kv_bits is not None:
+        carried = given_build_options(config) if isinstance(config, KVCacheConfig) else None
+        if carried is not None and carried.kv_bits is not None:
             raise ValueError(
-                f"the config asks for kv_bits={config.kv_bits}: QFiltersKVCache stores K/V "
+                f"the config asks for kv_bits={carried.kv_bits}: QFiltersKVCache stores K/V "
                 "unquantized; build a QuantizedQFiltersKVCache, or use build_cache(config, ...) or "
                 "KVCacheBuilder, which pick the class from kv_bits")
         self._setup(config, layer_idx, filters, backend, max_rewind)
 
     def _setup(self, config, layer_idx, filters, backend, max_rewind, bits=None, group_size=None):
         """``__init__`` of both classes: the only place that reads the build options a config
-        carries from its deprecated spellings (``qfilters_backend`` ...)."""
+        carries (its deprecated spellings, :func:`~qfilters_mlx.config.given_build_options`)."""
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         filters = checked_filters(config, filters)
-        backend = config.qfilters_backend if backend is None else backend
+        carried = given_build_options(config) or BuildOptions()
+        backend = carried.backend if backend is None else backend
         if max_rewind is None:
-            max_rewind = config.qfilters_max_rewind
+            max_rewind = carried.max_rewind
         if max_rewind != AUTO:
             check_int("max_rewind", max_rewind, 0)
         if self.quantized:
-            bits = config.kv_bits if bits is None else bits
-            group_size = config.kv_group_size if group_size is None else group_size
+            bits = carried.kv_bits if bits is None else bits
+            group_size = carried.kv_group_size if group_size is None else group_size
             if bits is None:
                 raise ValueError(f"{type(self).__name__} needs bits= (2, 4 or 8), got None")
             check_quantization(bits, group_size, max_rewind, config.head_dim)
@@ -558,8 +559,8 @@ class QuantizedQFiltersKVCache(QFiltersKVCache):
     Args:
         config, layer_idx, filters, backend, max_rewind: as :class:`QFiltersKVCache`
             (``max_rewind`` must be 0: a quantized cache cannot rewind after an eviction).
-        bits: 2, 4 or 8; ``None``: ``config.kv_bits``. group_size: 32, 64 or 128 (the head
-            dimension must be a multiple); ``None``: ``config.kv_group_size``.
+        bits: 2, 4 or 8; group_size: 32, 64 or 128 (the head dimension must be a multiple;
+            default 64). ``None``: what a config spelled the deprecated way carries.
 
     Attributes:
         bits, group_size: the quantization (mlx-lm's attention reads them).
@@ -597,7 +598,8 @@ def build_cache(config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | N
                 bits: int | None = None, group_size: int | None = None, backend: str | None = None,
                 max_rewind: int | None = None) -> QFiltersKVCache:
     """One layer's eviction cache of the class the storage asks for: a
-    :class:`QuantizedQFiltersKVCache` when ``bits`` (else ``config.kv_bits``) is set, else a
+    :class:`QuantizedQFiltersKVCache` when ``bits`` (or the deprecated ``kv_bits`` a config carries)
+    is set, else a
     :class:`QFiltersKVCache` (arguments as theirs; ``KVCacheBuilder`` builds with it).
 
     Raises:
@@ -605,7 +607,8 @@ def build_cache(config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | N
     """
     if not isinstance(config, KVCacheConfig):
         raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-    if bits is not None or config.kv_bits is not None:
+    carried = given_build_options(config)
+    if bits is not None or (carried is not None and carried.kv_bits is not None):
         return QuantizedQFiltersKVCache(config, layer_idx, filters, bits=bits, group_size=group_size,
                                         backend=backend, max_rewind=max_rewind)
     return QFiltersKVCache(config, layer_idx, filters, backend=backend, max_rewind=max_rewind)

@@ -141,7 +141,7 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
     try:
         fields = dict(meta["config"])
         config, options = _config(fields)
-        config = config.with_build_options(options)  # (what `config.qfilters_backend` ... read)
+        config = config.with_build_options(options)  # (a cache built from it builds the same)
         build = (options.backend, options.max_rewind, options.kv_bits, options.kv_group_size)
         scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
                    bool(meta["filter_fixed"]))
