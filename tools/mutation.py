@@ -2,7 +2,7 @@
 
 Mutates ``backends/reference.py``, ``cache/kv_cache.py`` (the cache's hot path), the cache's
 component modules (rewinds, compress-once, calibration, journal, persistence, bytes, input
-checks, masks, quantized storage) and the scorers (``--modules``)
+checks, attention reads, quantized storage) and the scorers (``--modules``)
 and runs the unit tests in ``TESTS`` against every mutant: mutmut runs, per mutant,
 only the tests that call the mutated function, and stops at the first failure.
 mutmut wants the package under ``src/``, so the run happens in a scratch copy
@@ -60,7 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py", "cache/journal.py",
            "cache/persistence.py", "cache/rewind.py", "cache/compression.py", "cache/accounting.py",
-           "cache/inputs.py", "cache/masks.py", "cache/quantized.py", "scorers/base.py",
+           "cache/inputs.py", "cache/attention.py", "cache/quantized.py", "scorers/base.py",
            "scorers/registry.py", "scorers/qfilters.py", "scorers/l2norm.py",
            "scorers/seeded_random.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the files holding the

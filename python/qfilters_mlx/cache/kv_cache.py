@@ -34,7 +34,8 @@ cache's own (underscore) state and nothing else does: :mod:`.rewind` (``trim`` a
 ``is_trimmable``; the records the hot path pushes when rewinds are on, :mod:`.journal`),
 :mod:`.compression` (compress-once: ``compress`` and the ``prompt_end`` trigger),
 :mod:`.calibration` (online filter estimation), :mod:`.accounting` (bytes and
-``shrink_to_fit``), :mod:`.persistence` (``state`` and copies), and the row storage
+``shrink_to_fit``), :mod:`.persistence` (``state`` and copies), :mod:`.attention` (the mask and
+``keys_and_values``), and the row storage
 (:class:`~qfilters_mlx.cache.dense.DenseRows` here, :mod:`.quantized` for the sibling).
 """
 
@@ -55,7 +56,7 @@ from qfilters_mlx.cache.calibration import checked_filters, estimate_filter, obs
 from qfilters_mlx.cache.inputs import check_update
 from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, RewindJournal, StepRecord, dropped_rows
-from qfilters_mlx.cache.masks import make_mask
+from qfilters_mlx.cache.attention import keys_and_values, make_mask
 from qfilters_mlx.cache.quantized import QuantizedRows, check_quantization, quantized_copy
 from qfilters_mlx.config import BuildOptions, KVCacheConfig, check_int, given_build_options
 from qfilters_mlx.config.build import AUTO
@@ -416,7 +417,7 @@ class QFiltersKVCache(_BaseCache):
         if layout is not None and self._journal.active:
             self._journal.push(LayoutRecord(layout))
 
-    make_mask = make_mask  # (.masks)
+    make_mask = make_mask  # (.attention)
 
     # ------------------------------------------------------------ compress once
     # (mode=CompressOnce(...): the rule, the trigger and `compress` are in .compression;
@@ -469,27 +470,7 @@ class QFiltersKVCache(_BaseCache):
     trim = rewind.trim
 
     # -------------------------------------------------------------- the rest
-    def keys_and_values(self):
-        """The keys and values the last ``update_and_fetch`` returned (mlx-lm's cache method:
-        what this layer's last attention call saw, stored ++ new, before that call's
-        eviction), for layers that reuse another layer's K/V (gemma3n's KV-shared layers,
-        afm7's KV-reuse blocks). ``[B, H_kv, S + L, D]`` each (``(packed, scales,
-        biases)`` when quantized).
-
-        Raises:
-            ValueError: ``keep_last_kv`` is False (``KVCacheBuilder.for_model`` sets it on the
-                layers a model reads this way), or no update since the cache was built,
-                loaded or trimmed.
-        """
-        if not self.keep_last_kv:
-            raise ValueError(
-                f"layer {self.layer_idx}: keys_and_values() needs keep_last_kv=True (another layer "
-                "reads this layer's K/V; KVCacheBuilder.for_model sets it for such models)")
-        if self._last_kv is None:
-            raise ValueError(f"layer {self.layer_idx}: keys_and_values() before any update_and_fetch "
-                             "since the cache was built, loaded or trimmed")
-        return self._last_kv
-
+    keys_and_values = keys_and_values  # (.attention)
     def size(self) -> int:
         """Number of tokens stored per (batch row, KV head)."""
         return self._n
@@ -537,8 +518,7 @@ class QFiltersKVCache(_BaseCache):
         """Tokens stored per (batch row, KV head)."""
         return self._n
 
-    # ----------------------------------------------------- save, load, copies
-    # (.persistence: the state format, checked on load; copies store the backend by name)
+    # --------------------------------- save, load, copies (.persistence: checked on load)
     state = property(persistence.saved_state, persistence.restore)
 
     def __getstate__(self) -> dict:
