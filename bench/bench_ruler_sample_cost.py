@@ -14,11 +14,13 @@ count too).
 Usage (from the repository root)::
 
     python bench/bench_ruler_sample_cost.py [--samples 2048/niah_single_2/0 2048/cwe/0] \
-        [--which before after] [--repeats 1] [--out bench/results/ruler_sample_cost.json]
+        [--which before after after_all_arms] [--repeats 1] [--tag NAME] \
+        [--out bench/results/ruler_sample_cost.json]
 
-"after" runs twice per repeat: with the default arms (``qfilters``, ``knorm``, ``streaming_llm``)
-and with every arm of "before" (adding ``qfilters_online`` and ``random``), both as a sample
-outside the greedy validation subset (greedy decoding for the full cache only).
+"after" is the checked-out runner with the default arms (``qfilters``, ``knorm``, ``streaming_llm``),
+"after_all_arms" with every arm of "before" (adding ``qfilters_online`` and ``random``), both as a
+sample outside the greedy validation subset (greedy decoding for the full cache only). ``--tag``
+names an invocation's runs in the table, so that runs of another checkout stay apart.
 
 Writes ``--out`` (JSON: every timed run with its stages and the load average before and after) and
 its ``.md`` (per sample, the paired ratios after / before); ``--report-only`` rewrites the ``.md``
@@ -76,9 +78,9 @@ def write_markdown(out: Path, res: dict) -> None:
     after / before, the stages of "after" and the load averages."""
     runs = defaultdict(dict)
     for r in res["runs"]:
-        runs[(r["sample"], r["repeat"])][r["variant"]] = r
+        runs[(r["sample"], r.get("tag", ""), r["repeat"])][r["variant"]] = r
     rows = []
-    for (sample, rep), v in sorted(runs.items()):
+    for (sample, tag, rep), v in sorted(runs.items(), key=lambda kv: (kv[0][1] != "", kv[0])):
         b, a, aa = v.get("before"), v.get("after"), v.get("after_all_arms")
 
         def cell(x, key="seconds"):
@@ -88,8 +90,8 @@ def write_markdown(out: Path, res: dict) -> None:
             return f"{x[key] / b[key]:.2f}" if x and b and key in x and key in b else ""
 
         st = a["stages"] if a else {}
-        rows.append([sample, rep, cell(b), cell(a), ratio(a), cell(aa), ratio(aa), ratio(a, "cpu_seconds"),
-                     ratio(aa, "cpu_seconds"),
+        rows.append([sample, tag or "first", rep, cell(b), cell(a), ratio(a), cell(aa), ratio(aa),
+                     ratio(a, "cpu_seconds"), ratio(aa, "cpu_seconds"),
                      " / ".join(f"{st.get(k, 0):.1f}" for k in ("prefill", "forced", "greedy")),
                      f"{min(x['loadavg_start'][0] for x in v.values()):.1f}-"
                      f"{max(x['loadavg_end'][0] for x in v.values()):.1f}"])
@@ -103,9 +105,9 @@ def write_markdown(out: Path, res: dict) -> None:
              "the full cache, every row decoded greedily. *after*: the default arms (qfilters, knorm, "
              "streaming_llm), teacher-forced scoring of every row, greedy decoding of the full cache only (a "
              "sample outside the validation subset). *after, all arms*: the same five arms as before.", ""]
-    lines += common.md_table(["sample", "repeat", "before s", "after s", "after / before", "after, all arms s",
+    lines += common.md_table(["sample", "runs", "repeat", "before s", "after s", "after / before", "after, all arms s",
                               "all arms / before", "after / before, CPU s", "all arms / before, CPU s",
-                              "after: prefill / forced / greedy s", "load"], rows, "llrrrrrrrll")
+                              "after: prefill / forced / greedy s", "load"], rows, "lllrrrrrrrll")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -113,10 +115,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", nargs="+", default=["2048/niah_single_2/0", "2048/cwe/0"],
                     help="LENGTH/TASK/INDEX (the run's sample keys; seed 0)")
-    ap.add_argument("--which", nargs="+", default=["before", "after"], choices=["before", "after"])
+    ap.add_argument("--which", nargs="+", default=["before", "after", "after_all_arms"],
+                    choices=["before", "after", "after_all_arms"])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--before", default=BEFORE, help=f"commit of 'before' (default {BEFORE})")
     ap.add_argument("--out", default=str(common.RESULTS / "ruler_sample_cost.json"))
+    ap.add_argument("--tag", default="", help="names this invocation's runs in the table (runs without one: 'first')")
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the JSON")
     args = ap.parse_args()
     out = Path(args.out)
@@ -144,6 +148,7 @@ def main() -> None:
                 variants.append(("before", old, old.RulerSettings(compress_arms=ALL_ARMS)))
             if "after" in args.which:
                 variants.append(("after", new, new.RulerSettings(validation_samples=0)))
+            if "after_all_arms" in args.which:
                 variants.append(("after_all_arms", new,
                                  new.RulerSettings(validation_samples=0, compress_arms=ALL_ARMS)))
             for name, mod, s in (variants if rep % 2 == 0 else variants[::-1]):
@@ -155,7 +160,8 @@ def main() -> None:
                                s, calibrated=calibrated)
                 sec = time.perf_counter() - t0
                 cpu = time.process_time() - c0
-                run = {"sample": key, "variant": name, "repeat": rep, "seconds": sec, "cpu_seconds": cpu,
+                run = {"sample": key, "variant": name, "repeat": rep, "tag": args.tag, "code": res["meta"]["code"],
+                       "seconds": sec, "cpu_seconds": cpu,
                        "stages": record.get("seconds", {}), "loadavg_start": load0,
                        "loadavg_end": os.getloadavg(), "context_tokens": len(context),
                        "question_tokens": len(question), "max_new_tokens": sample.max_new_tokens,
