@@ -1,9 +1,9 @@
 """Compress-once holds what a streaming cache with the same kept rows holds, within one block
 of ``compressed_step`` rows (the room a growing answer appends into).
 
-Before: quantized storage kept the full-precision prompt keys of an online filter after the
-compression (2.97x the streaming cache at a 400-token prompt with ``kv_bits=4``), and a
-compressed cache grew in 256-row blocks (1.25x at 400 tokens in float32). Reference: a
+Guards against quantized storage keeping the full-precision prompt keys of an online filter
+after the compression (2.97x the streaming cache at a 400-token prompt with ``kv_bits=4``)
+and a compressed cache growing in 256-row blocks (1.25x at 400 tokens in float32). Reference: a
 streaming cache of the same model dimensions fed the same tokens, whose budget is the rows
 the compressed one keeps (slot mode holds ``budget + 1`` rows, all of them live)."""
 

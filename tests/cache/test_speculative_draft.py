@@ -51,9 +51,9 @@ def run(draft_installed: bool, **draft_options):
 
 
 def test_installed_draft_caches_rewind_exactly():
-    """Before: the draft's caches ended 100 tokens in against the reference's 79 (rejected
-    drafts kept at wrong positions). Now each draft cache lags the main caches as the
-    reference's full draft cache does, and holds no position at or past its offset."""
+    """Each draft cache lags the main caches as the reference's full draft cache does (a draft
+    cache that skipped its rewinds ends ahead: 99 against 79, rejected drafts kept at wrong
+    positions), and holds no position at or past its offset."""
     ref_out, ref_main, _ = run(False)
     out, main, draft = run(True)
     assert any(not d for _, d in out[:-1])  # a draft was rejected: rewinds happened
@@ -72,7 +72,7 @@ def test_installed_draft_caches_rewind_exactly():
 
 
 def test_draft_caches_that_cannot_rewind_are_refused_before_the_prompt():
-    with pytest.raises(ValueError, match="draft model's cache of layer 0 cannot rewind.*max_rewind=0"):
+    with pytest.raises(ValueError, match="draft model.s eviction cache 0 cannot rewind.*max_rewind=0"):
         run(True, max_rewind=0)
 
 
@@ -87,3 +87,41 @@ def test_the_guard_leaves_mlx_lms_own_draft_caches_and_a_given_prompt_cache_alon
     b = [int(t) for t, _ in generate.generate_step(prompt, MAIN, max_tokens=8,
                                                    prompt_cache=KVCacheBuilder.for_model(MAIN, CONFIG))]
     assert a == b
+
+
+def test_building_or_loading_an_eviction_cache_installs_the_guard(monkeypatch, tmp_path):
+    """No builder needed: a cache built by its constructor, or loaded from a prompt-cache file,
+    puts the guard in place (mlx-lm's function restored first, as in a fresh process)."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    original = generate.speculative_generate_step.__wrapped__
+    c = QFiltersKVCache(CONFIG)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [c])
+    for make in (lambda: QFiltersKVCache(CONFIG), lambda: load_prompt_cache(str(tmp_path / "c.safetensors"))):
+        monkeypatch.setattr(generate, "speculative_generate_step", original)
+        make()
+        assert generate.speculative_generate_step.__wrapped__ is original
+
+
+def test_kv_bits_with_eviction_caches_is_refused_before_the_prompt():
+    """mlx-lm quantizes every cache mid-generation with kv_bits, and a quantized eviction cache
+    cannot rewind: refused at the generator's start, nothing fed."""
+    main = KVCacheBuilder.for_model(MAIN, CONFIG)
+    steps = generate.speculative_generate_step(prompt_tokens(3, 60), MAIN, DRAFT, num_draft_tokens=3,
+                                               max_tokens=4, prompt_cache=main + make_prompt_cache(DRAFT),
+                                               kv_bits=4, quantized_kv_start=0)
+    with pytest.raises(ValueError, match="speculative decoding with kv_bits=4"):
+        next(steps)
+    assert all(c.offset == 0 for c in main)
+
+
+def test_draft_caches_inside_a_cache_list_are_asked_too():
+    from mlx_lm.models.cache import CacheList
+
+    from qfilters_mlx.cache.speculative import check_speculative
+
+    fresh = QFiltersKVCache(CONFIG)
+    check_speculative([QFiltersKVCache(CONFIG), CacheList(fresh)], 1)
+    assert fresh._journal.active  # asked: its rewind journal is on
+    with pytest.raises(ValueError, match="draft model's eviction cache 0 cannot rewind.*max_rewind=0"):
+        check_speculative([QFiltersKVCache(CONFIG), CacheList(QFiltersKVCache(CONFIG, max_rewind=0))], 1)

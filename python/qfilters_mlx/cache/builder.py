@@ -14,11 +14,11 @@ import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
-from qfilters_mlx.cache.speculative import guard_speculative
 from qfilters_mlx.config import (BuildOptions, KVCacheConfig, given_build_options, merge_options,
                                  per_layer_table)
 from qfilters_mlx.config.deprecated import OLD_BUILD_NAMES
 from qfilters_mlx.model_info import CacheSlot, default_caches, probe_layout, replace_at, walk
+from qfilters_mlx.scorers import FullScorer
 
 __all__ = ["BuildReport", "BudgetedCaches", "KVCacheBuilder", "default_caches", "describe"]
 
@@ -91,7 +91,7 @@ def _trial_forward(model, budgeted: list[CacheSlot]) -> tuple:
     import mlx.core as mx
 
     trial = default_caches(model)
-    full, options = KVCacheConfig(method="full"), BuildOptions(backend="reference")
+    full, options = KVCacheConfig(method=FullScorer.name), BuildOptions(backend="reference")
     for s in budgeted:
         c = _new_cache(_TrialCache, full.with_head_dim(s.key_dim), s.layer, None, options)
         c.keep_last_kv = True
@@ -245,8 +245,6 @@ class KVCacheBuilder:
         """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
         options = self.options_for(config, **keywords)
         from qfilters_mlx.sharding import check_shards, shard_info
-
-        guard_speculative()  # draft caches of mlx-lm's speculative decoding asked too
 
         check_shards(model)  # a tensor-parallel rank holds whole KV heads
         slots = probe_layout(model)

@@ -16,27 +16,25 @@ Data flow of one ``update_and_fetch(keys, values)`` call:
 6. ``offset += L`` (absolute RoPE position, never the stored length).
 
 The kept set does not depend on how the input was chunked. Single-token calls after an
-eviction run in *slot mode* (:meth:`QFiltersKVCache._decode_step`).
+eviction run in *slot mode* (``_decode_step``).
 
 Longer than 350 lines because this one file holds the whole hot path (update, eviction,
-slot-mode decode step) so that it reads top to bottom. Once its inputs are checked
-(:mod:`.inputs`, which raises before anything changes), what one ``update_and_fetch`` does
-reads in three files: this one (``update_and_fetch -> _update -> _append / _decode_step ->
-_evict``); the
-scorer's module (:mod:`qfilters_mlx.scorers`: ``insertion_scores``, ``decode_select``); and
-:mod:`qfilters_mlx.backends.reference`, the semantics of the backend operations it calls
-(``select_compact``, ``write_slot``, ``decode_select``; the backend chosen at construction
-runs them, :mod:`qfilters_mlx.backends.dispatch`). The cache knows no method name: what a
-method does is its scorer's.
+slot-mode decode step) so that it reads top to bottom. What one ``update_and_fetch`` computes
+reads in three places: this file (``update_and_fetch -> _update -> _append / _decode_step ->
+_evict``), the method's scorer (:mod:`qfilters_mlx.scorers`: ``base.py`` and the method's
+file) and :mod:`qfilters_mlx.backends.reference`, the semantics of the backend operations it
+calls (``select_compact``, ``write_slot``, ``decode_select``; the backend chosen at
+construction runs them, :mod:`qfilters_mlx.backends.dispatch`). Besides, each call passes its
+inputs to :func:`.inputs.check_update` (raises before anything changes) and its rows through
+the storage (:class:`~qfilters_mlx.cache.dense.DenseRows`: as given); the compress-once
+trigger runs only in that mode, the journal records only when rewinds are on. The cache
+knows no method name.
 
-Off that path, each one named call into a component module that reads and writes the
-cache's own (underscore) state and nothing else does: :mod:`.rewind` (``trim`` and
-``is_trimmable``; the records the hot path pushes when rewinds are on, :mod:`.journal`),
-:mod:`.compression` (compress-once: ``compress`` and the ``prompt_end`` trigger),
-:mod:`.calibration` (online filter estimation), :mod:`.accounting` (bytes and
-``shrink_to_fit``), :mod:`.persistence` (``state`` and copies), :mod:`.attention` (the mask and
-``keys_and_values``), and the row storage
-(:class:`~qfilters_mlx.cache.dense.DenseRows` here, :mod:`.quantized` for the sibling).
+Off that path, named calls into component modules that read and write the cache's own
+(underscore) state, as nothing else does: :mod:`.rewind` (``trim``, ``is_trimmable``),
+:mod:`.compression` (``compress``), :mod:`.calibration` (online filters), :mod:`.accounting`
+(bytes, ``shrink_to_fit``), :mod:`.persistence` (``state``, copies), :mod:`.attention` (the
+mask, ``keys_and_values``), :mod:`.quantized` (the sibling's storage).
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, RewindJournal, StepRecord, dropped_rows
 from qfilters_mlx.cache.attention import keys_and_values, make_mask
 from qfilters_mlx.cache.quantized import QuantizedRows, check_quantization, quantized_copy
+from qfilters_mlx.cache.speculative import guard_speculative
 from qfilters_mlx.config import BuildOptions, KVCacheConfig, check_int, given_build_options
 from qfilters_mlx.config.build import AUTO
 from qfilters_mlx.scorers import insertion_scores, random_scores
@@ -128,6 +127,7 @@ class QFiltersKVCache(_BaseCache):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         filters = checked_filters(config, filters)
+        guard_speculative()  # (mlx-lm's speculative decoding asks draft caches too)
         carried = given_build_options(config) or BuildOptions()
         backend = carried.backend if backend is None else backend
         if max_rewind is None:
@@ -227,7 +227,8 @@ class QFiltersKVCache(_BaseCache):
         """
         check_update(self, keys, values)
         self._last_kv = None  # released before the buffers are written
-        compression.before_call(self, keys.shape[2])  # (compress-once; before anything is stored)
+        if self.config.compress_once:  # the `prompt_end` trigger, before anything is stored
+            compression.before_call(self, keys.shape[2])
         out = self.storage.fetch(*self._update(keys, values))
         if self.keep_last_kv:
             self._last_kv = out
@@ -239,12 +240,14 @@ class QFiltersKVCache(_BaseCache):
         L = keys.shape[2]
         if L == 1 and self.evicted and not self._growing():
             return self._decode_step(keys, values)
-        record = CallRecord(tokens=L, offset=self.offset, n=self._n, evicted=self.evicted,
-                            filter=self.filter, queries=self._queries,
-                            capacity=0 if self.keys is None else self.keys.shape[2])
-        record.slots = self._leave_slots()
-        if self._journal.active:
+        if self._journal.active:  # (rewinds on: the record that undoes this call)
+            record = CallRecord(tokens=L, offset=self.offset, n=self._n, evicted=self.evicted,
+                                filter=self.filter, queries=self._queries,
+                                capacity=0 if self.keys is None else self.keys.shape[2])
+            record.slots = self._leave_slots()
             self._journal.push(record)
+        else:
+            self._leave_slots()
         self._append(keys, values)
         self.offset += L
         if (not self.scoring_ready and not self._calibrates_from_queries
@@ -469,7 +472,6 @@ class QFiltersKVCache(_BaseCache):
     trim_count = rewind.trim_count
     trim = rewind.trim
 
-    # -------------------------------------------------------------- the rest
     keys_and_values = keys_and_values  # (.attention)
     def size(self) -> int:
         """Number of tokens stored per (batch row, KV head)."""

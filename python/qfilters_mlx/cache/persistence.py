@@ -35,6 +35,7 @@ from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import RewindJournal, to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.cache.rewind import depth_now
+from qfilters_mlx.cache.speculative import guard_speculative
 from qfilters_mlx.config import KVCacheConfig, config_from_state, config_to_state
 from qfilters_mlx.config.deprecated import BUILD_FIELDS
 
@@ -208,6 +209,7 @@ def restore(cache, v) -> None:
     """Set ``cache`` to the saved ``state`` ``v`` (checked first by :func:`decode`; nothing
     changes when it raises). The rewind journal starts empty."""
     s = decode(v, cache.quantized, type(cache).__name__)
+    guard_speculative()  # (a loaded cache may be a draft model's)
     backend_name, max_rewind, bits, group_size = s.build
     cache.config, cache.layer_idx = s.config, s.layer_idx
     cache.scorer = s.config.scorer.from_config(s.config, s.layer_idx)
