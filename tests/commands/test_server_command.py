@@ -32,6 +32,21 @@ def test_query_configurations_are_refused(argv, capsys):
     assert "observed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("method, refused", [("qfilters", True), ("full", False)])
+def test_kv_bits_with_a_draft_model_is_refused_at_start_for_eviction_caches(method, refused, capsys,
+                                                                          monkeypatch):
+    """A quantized eviction cache cannot rewind rejected drafts: refused before the model loads
+    (mlx-lm's own server would keep the drafts); the full cache never evicts and goes on."""
+    import argparse
+
+    monkeypatch.setattr("qfilters_mlx.commands.model_path.resolve_model",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("past the check")))
+    args = argparse.Namespace(server_args=["--method", method, "--draft-model", "d", "--kv-bits", "4"])
+    with pytest.raises(SystemExit if refused else RuntimeError):
+        server.run(build_parser(), args)
+    assert ("--kv-bits with --draft-model" in capsys.readouterr().err) is refused
+
+
 def test_cli_routes_the_rest_to_the_server():
     args, extra = build_parser().parse_known_args(["server", "--budget", "8", "--host", "0.0.0.0"])
     assert args.passes_through and extra == ["--budget", "8", "--host", "0.0.0.0"]

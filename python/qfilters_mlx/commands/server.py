@@ -267,6 +267,9 @@ def run(parser, args, blas_library: str | None = None) -> int:
         print("\nmlx_lm.server flags:\n")
     cache_args, rest = ours.parse_known_args([a for a in argv if a not in ("-h", "--help")])
     quantized = any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest)
+    if quantized and cache_args.draft_model is not None and scorer_class(cache_args.method).evicts:
+        ours.error("--kv-bits with --draft-model: a quantized eviction cache cannot rewind the "
+                   "rejected draft tokens; drop one of them")
     if cache_args.max_rewind is None and scorer_class(cache_args.method).evicts and not quantized:
         cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
                                     if cache_args.draft_model is not None else 0)
