@@ -130,26 +130,32 @@ def test_the_registry_refuses_what_it_cannot_resolve(first_coordinate):
     register(FirstCoordinate)  # (the fixture unregisters it)
 
 
-def method_name_comparisons(root: Path, names) -> list[str]:
-    """``file:line`` of every comparison in ``root``'s engine folders that reads a ``method``
-    attribute or compares with a registered method name."""
+def method_names_in_engine(root: Path, names) -> list[str]:
+    """``file:line`` of every place in ``root``'s engine folders that compares a ``method``
+    attribute, or holds a registered method name as a string (a comparison, a dict key, a
+    default, a ``match`` case; docstrings aside)."""
     found = []
     for folder in ENGINE:
         for path in sorted((root / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, ast.Compare):
-                    continue
-                sides = [node.left, *node.comparators]
-                flat = [e for s in sides for e in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])]
-                if any(isinstance(e, ast.Attribute) and e.attr == "method" for e in flat) or any(
-                        isinstance(e, ast.Constant) and e.value in names for e in flat):
+            tree = ast.parse(path.read_text())
+            docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                          if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                          and n.body and isinstance(n.body[0], ast.Expr)
+                          and isinstance(n.body[0].value, ast.Constant)}
+            for node in ast.walk(tree):
+                compares_method = isinstance(node, ast.Compare) and any(
+                    isinstance(e, ast.Attribute) and e.attr == "method" for e in [node.left, *node.comparators])
+                names_one = (isinstance(node, ast.Constant) and node.value in names
+                             and id(node) not in docstrings)
+                if compares_method or names_one:
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
     return found
 
 
-def test_the_engine_compares_no_method_name(tmp_path):
-    assert method_name_comparisons(PACKAGE, scorer_names()) == []
+def test_the_engine_names_no_method(tmp_path):
+    assert method_names_in_engine(PACKAGE, scorer_names()) == []
     planted = tmp_path / "cache"
     planted.mkdir()
-    (planted / "x.py").write_text("def f(c):\n    a = c.method == 'x'\n    return c.kind in ('full', 'y')\n")
-    assert method_name_comparisons(tmp_path, {"full"}) == ["cache/x.py:2", "cache/x.py:3"]
+    (planted / "x.py").write_text('"""full docstring"""\ndef f(c):\n    a = c.method == "x"\n'
+                                  '    return {"full": 1}[c.kind]\n')
+    assert method_names_in_engine(tmp_path, {"full"}) == ["cache/x.py:3", "cache/x.py:4"]
