@@ -50,7 +50,7 @@ from qfilters_mlx.assets.prompts import calibration_text, source_text
 from qfilters_mlx.evaluation.bootstrap import gap_ratio
 from qfilters_mlx.evaluation.kv_scores import kv_score_arm
 from qfilters_mlx.evaluation.perplexity import perplexity
-from qfilters_mlx.evaluation.pooled import pooled_ratio_bootstrap
+from qfilters_mlx.evaluation.pooled import equivalent_budget, pooled_ratio_bootstrap
 from qfilters_mlx.evaluation.recall import full_predictions, key_recall, needle_prompt
 from qfilters_mlx.evaluation.retrieval import pass_key
 from qfilters_mlx.evaluation.retrieval_heads import far_mass, needle_attention, split_budgets
@@ -172,7 +172,13 @@ def g1_summary(results: dict) -> dict:
     for x in arms:
         worst = max((gap_ratio(nll[x, b][i], nll["streaming_llm", b][i], full[i]), segs[i], b)
                     for i in range(len(segs)) for b in budgets)
-        out["arms"][x] = {"pooled": {str(k): v for k, v in pooled[x].items()}, "worst_cell": worst}
+        sl = [float(np.exp(np.mean([np.mean(n) for n in nll["streaming_llm", b]]))) for b in budgets]
+        ppl = [float(np.exp(np.mean([np.mean(n) for n in nll[x, b]]))) for b in budgets]
+        equiv = [equivalent_budget(budgets, sl, q) for q in ppl]
+        out["arms"][x] = {"pooled": {str(k): v for k, v in pooled[x].items()}, "worst_cell": worst,
+                          "over_bar": sum(gap_ratio(nll[x, b][i], nll["streaming_llm", b][i], full[i]) > g1.CELL_BAR
+                                          for i in range(len(segs)) for b in budgets),
+                          "equivalent": [(e / b, ext) for (e, ext), b in zip(equiv, budgets)]}
     for x in ARMS:  # every (segment, budget) cell run, complete or not
         for s in segs:
             got = {b: gap_ratio(mine[s][f"{x}@{b}"]["nll"], S[s][f"streaming_llm@{b}"]["nll"], S[s]["full"]["nll"])
@@ -222,9 +228,14 @@ def markdown(results: dict) -> str:
         for arm, v in s1["arms"].items():
             p, w = v["pooled"], v["worst_cell"]
             rows.append([arm] + [f"{p[str(b)][0]:.3f} [{p[str(b)][1]:.3f}, {p[str(b)][2]:.3f}]"
-                                 for b in s1["budgets"] + ["all"]] + [f"{w[0]:.2f} ({w[1]}, {w[2]})"])
-        lines += common.md_table(["arm"] + [f"budget {b}" for b in s1["budgets"]] + ["all budgets", "worst cell"],
-                                 rows) + [""]
+                                 for b in s1["budgets"] + ["all"]]
+                        + [f"{w[0]:.2f} ({w[1]}, {w[2]})", f"{v['over_bar']}",
+                           " / ".join(f"x{e:.2f}{'*' if ext else ''}" for e, ext in v["equivalent"])])
+        lines += common.md_table(["arm"] + [f"budget {b}" for b in s1["budgets"]]
+                                 + ["all budgets", "worst cell", f"cells > {g1.CELL_BAR:.2f}",
+                                    "memory-equivalence " + " / ".join(str(b) for b in s1["budgets"])], rows)
+        lines += ["", "(memory-equivalence: the StreamingLLM budget with the arm's pooled perplexity at B, over B; "
+                  "* extrapolated beyond the measured budgets)", ""]
     if s1 and s1["cells"]:
         bs = s1["budgets"]
         lines += ["G1 per (segment, budget) cell: gap ratio to StreamingLLM (point estimates; every cell run, "
