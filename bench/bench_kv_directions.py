@@ -62,7 +62,7 @@ SCORES = {"value-mix": {"filter": 1.0, "value": 1.0}, "novelty": {"novelty": 1.0
           "novelty-mix": {"filter": 1.0, "novelty": 1.0}}
 ARMS = ("value-mix", "novelty", "novelty-mix", "heads-far-4", "heads-needle-4", "heads-needle-4q",
         "heads-needle-4x3q", "heads-needle-8x3q", "heads-needle-4x6q",
-        "heads-needle-4x8q")
+        "heads-needle-4x8q", "heads-needle-8x8q")
 CALIB_OFFSETS, CALIB_DEPTHS = (170_000, 185_000), (0.1, 0.3, 0.5)
 
 
