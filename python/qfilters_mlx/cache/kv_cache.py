@@ -113,12 +113,6 @@ class QFiltersKVCache(_BaseCache):
 
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | None = None,
                  *, backend: str | None = None, max_rewind: int | None = None):
-        carried = given_build_options(config) if isinstance(config, KVCacheConfig) else None
-        if carried is not None and carried.kv_bits is not None:
-            raise ValueError(
-                f"the config asks for kv_bits={carried.kv_bits}: QFiltersKVCache stores K/V "
-                "unquantized; build a QuantizedQFiltersKVCache, or use build_cache(config, ...) or "
-                "KVCacheBuilder, which pick the class from kv_bits")
         self._setup(config, layer_idx, filters, backend, max_rewind)
 
     def _setup(self, config, layer_idx, filters, backend, max_rewind, bits=None, group_size=None):
@@ -126,9 +120,14 @@ class QFiltersKVCache(_BaseCache):
         carries (its deprecated spellings, :func:`~qfilters_mlx.config.given_build_options`)."""
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        carried = given_build_options(config) or BuildOptions()
+        if not self.quantized and carried.kv_bits is not None:
+            raise ValueError(
+                f"the config asks for kv_bits={carried.kv_bits}: QFiltersKVCache stores K/V "
+                "unquantized; build a QuantizedQFiltersKVCache, or use build_cache(config, ...) or "
+                "KVCacheBuilder, which pick the class from kv_bits")
         filters = checked_filters(config, filters)
         guard_speculative()  # (mlx-lm's speculative decoding asks draft caches too)
-        carried = given_build_options(config) or BuildOptions()
         backend = carried.backend if backend is None else backend
         if max_rewind is None:
             max_rewind = carried.max_rewind
@@ -168,8 +167,7 @@ class QFiltersKVCache(_BaseCache):
         self._saw_chunk = False  # a multi-token call was seen (the `prompt_end` trigger)
         # what the last update returned, kept only for layers whose K/V another layer reads
         # (keys_and_values; otherwise it would keep a chunk's pre-eviction rows alive)
-        self.keep_last_kv = False
-        self._last_kv = None
+        self.keep_last_kv, self._last_kv = False, None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -286,8 +284,8 @@ class QFiltersKVCache(_BaseCache):
         if self.keys is None or n + L > self.keys.shape[2]:
             step = self.step if self._compressed is None else self.compressed_step
             cap = step * math.ceil((n + L) / step)
-            if self.scorer.evicts and self._budget_now() < math.inf:  # never over budget + chunk
-                cap = min(cap, max(n + L, self._budget_now() + 1))  # (a function of n + L)
+            if self.scorer.evicts and (budget := self._budget_now()) < math.inf:
+                cap = min(cap, max(n + L, budget + 1))  # never over budget + chunk (of n + L)
 
             def grow(buf, new_shape, dtype):
                 fresh = mx.zeros(new_shape, dtype)

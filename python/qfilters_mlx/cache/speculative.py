@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import importlib
 
+from qfilters_mlx.model_info import walk
+
 __all__ = ["guard_speculative"]
 
 _MARKER = "_asks_qfilters_draft_caches"
@@ -32,14 +34,7 @@ _MARKER = "_asks_qfilters_draft_caches"
 
 def _ours(caches) -> list:
     """The eviction caches among ``caches`` (``CacheList`` members included)."""
-    out = []
-    for c in caches:
-        inner = getattr(c, "caches", None)
-        if isinstance(inner, (list, tuple)):
-            out += _ours(inner)
-        elif hasattr(c, "rewindable_tokens"):
-            out.append(c)
-    return out
+    return [c for _, c in walk(caches) if hasattr(c, "rewindable_tokens")]
 
 
 def check_speculative(caches, n_main_layers: int, kv_bits=None) -> None:

@@ -9,6 +9,7 @@ method is one subclass plus :func:`~qfilters_mlx.scorers.registry.register`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import mlx.core as mx
@@ -16,6 +17,7 @@ import mlx.core as mx
 __all__ = ["Scorer"]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Scorer:
     """One eviction method: its score at insertion and the traits the cache reads.
 
@@ -43,18 +45,9 @@ class Scorer:
     uses_filter: ClassVar[bool] = False
     seeded: ClassVar[bool] = False
 
-    def __init__(self, *, layer: int = 0, sign: int = 1, seed: int = 0):
-        self.layer, self.sign, self.seed = int(layer), int(sign), int(seed)
-
-    def __eq__(self, other) -> bool:
-        return type(self) is type(other) and vars(self) == vars(other)
-
-    def __hash__(self) -> int:
-        return hash((type(self), tuple(sorted(vars(self).items()))))
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({fields})"
+    layer: int = 0
+    sign: int = 1
+    seed: int = 0
 
     @classmethod
     def from_config(cls, config, layer: int = 0) -> "Scorer":
