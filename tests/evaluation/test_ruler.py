@@ -24,7 +24,7 @@ from qfilters_mlx import CompressOnce
 from qfilters_mlx.assets.prompts import source_text
 from qfilters_mlx.evaluation.ruler.haystack import HAYSTACK_OFFSET, essay_sentences
 from qfilters_mlx.evaluation.ruler.leaderboard import bootstrap_average, leaderboard
-from qfilters_mlx.evaluation.ruler.prompt import fit, sample_tokens
+from qfilters_mlx.evaluation.ruler.prompt import DoesNotFit, fit, sample_tokens
 from qfilters_mlx.evaluation.ruler.runner import RulerSettings, run_ruler
 from qfilters_mlx.evaluation.ruler.scoring import string_match_all
 from qfilters_mlx.evaluation.ruler.tasks import TASKS, Sources, quick_tasks
@@ -140,7 +140,7 @@ def test_fit_takes_the_largest_haystack_that_fits():
         s, n = fit(build, tok, 1500)
         size = lambda x: sum(map(len, sample_tokens(tok, x))) + x.max_new_tokens  # noqa: E731
         assert size(s) <= 1500 < size(build(n + 1))
-    with pytest.raises(ValueError, match="exceed the length"):
+    with pytest.raises(DoesNotFit, match="exceed the length"):
         fit(lambda m: TASKS["niah_multikey_3"](SOURCES, "s", m), tok, 100)
 
 
@@ -323,6 +323,29 @@ def test_resumed_run_skips_finished_samples_and_refuses_other_settings(tiny_run)
     with pytest.raises(ValueError, match="use another output folder"):
         run_ruler(model, tok, SOURCES, replace(s, chunk=32), tasks=quick_tasks(), calibrated=filters,
                   load=recs.get)
+
+
+def test_a_sample_that_does_not_fit_is_recorded_and_reported_and_the_run_goes_on():
+    """A task whose smallest haystack exceeds the length gets a record naming why, the other
+    tasks run, a resumed run skips it, and the leaderboard and page list it apart."""
+    from qfilters_mlx.evaluation.ruler.report import markdown
+
+    model, tok = tiny_model(), ByteTokenizer()
+    tasks = {"niah_single_2": quick_tasks()["niah_single_2"],
+             "huge": lambda src, seed, m: quick_tasks()["niah_single_2"](src, seed, m + 600)}
+    s = RulerSettings(lengths=(900,), samples=1, tasks=("huge", "niah_single_2"), ratios=(0.5,), chunk=64,
+                      calib_tokens=16, protocols=("compress_once",), compress_arms=("knorm",))
+    recs = {}
+    assert run_ruler(model, tok, SOURCES, s, tasks=tasks, save=lambda k, r: recs.__setitem__(k, r)) == 1
+    assert "exceed the length 900" in recs["900/huge/0"]["does_not_fit"]
+    assert "answers" not in recs["900/huge/0"] and "compress_once/knorm@0.5" in recs["900/niah_single_2/0"]["forced"]
+    assert run_ruler(model, tok, SOURCES, s, tasks=tasks, load=recs.get) == 0
+    board = leaderboard(list(recs.values()), {"model": "tiny"})
+    assert board["meta"]["does_not_fit"] == {"900": ["huge/0"]}
+    assert board["meta"]["samples"]["900"]["samples"] == 1
+    assert all(set(r["n_samples"]) == {"niah_single_2"} for r in board["rows"])
+    assert "1 sample did not fit this length even with the smallest haystack and was left out: huge/0." in \
+        markdown(board)
 
 
 def test_cli_quick_runs_its_checks_and_writes_the_leaderboard(tmp_path, capsys):

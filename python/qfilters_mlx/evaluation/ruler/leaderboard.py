@@ -132,14 +132,20 @@ def leaderboard(records: list[dict], meta: dict | None = None) -> dict:
     """``{"meta", "rows", "paired", "agreement"}`` from per-sample records (see the module doc).
 
     ``meta["compute_seconds"]``: per length, the records' summed wall-clock seconds per stage and
-    in total; ``meta["samples"]``: per length, samples and samples the full cache answers correctly.
+    in total; ``meta["samples"]``: per length, samples and samples the full cache answers correctly;
+    ``meta["does_not_fit"]``: per length, the ``"task/index"`` of samples that do not fit it (their
+    records hold no answers and count nowhere else).
     """
     meta = dict(meta or {})
     # (length, metric, subset, answer key) -> task -> {index: value}
     by = defaultdict(lambda: defaultdict(dict))
     seconds = defaultdict(lambda: defaultdict(float))
     counts = defaultdict(lambda: {"samples": 0, "full_correct": 0, "validation": 0})
+    unfit = defaultdict(list)
     for r in records:
+        if "does_not_fit" in r:
+            unfit[str(r["length"])].append(f"{r['task']}/{r['index']}")
+            continue
         vals = _values(r)
         subsets = ("all", "full_correct") if _full_correct(r) else ("all",)
         for metric, keyed in vals.items():
@@ -191,6 +197,7 @@ def leaderboard(records: list[dict], meta: dict | None = None) -> dict:
                            "n_samples": n, "separated": bool(low > 0 or high < 0) if n >= MIN_PAIRED else None})
     meta["compute_seconds"] = {k: dict(v) for k, v in sorted(seconds.items(), key=lambda kv: int(kv[0]))}
     meta["samples"] = dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
+    meta["does_not_fit"] = {k: sorted(v) for k, v in sorted(unfit.items(), key=lambda kv: int(kv[0]))}
     meta["bootstrap"] = (f"percentile bootstrap over samples, {N_BOOT} resamples, seed 0, of the mean of the task "
                          f"means: stratified by task when every task has {MIN_STRATIFIED} samples or more, else "
                          "over the pooled samples (each resample's mean over the tasks it drew)")

@@ -12,7 +12,11 @@ from typing import Callable
 
 from qfilters_mlx.evaluation.ruler.tasks import Sample, TooFewUnits
 
-__all__ = ["fit", "sample_tokens"]
+__all__ = ["DoesNotFit", "fit", "sample_tokens"]
+
+
+class DoesNotFit(ValueError):
+    """A sample's smallest haystack (with its question and answer tokens) exceeds the length."""
 
 
 def sample_tokens(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
@@ -40,7 +44,7 @@ def fit(build: Callable[[int], Sample], tokenizer, length: int) -> tuple[Sample,
     (doubling, then bisection).
 
     Raises:
-        ValueError: not even the smallest haystack fits.
+        DoesNotFit: not even the smallest haystack fits (a ``ValueError``).
     """
     def tokens(n: int) -> tuple[Sample, int]:
         s = build(n)
@@ -55,7 +59,7 @@ def fit(build: Callable[[int], Sample], tokenizer, length: int) -> tuple[Sample,
         except TooFewUnits:
             lo = max(1, 2 * lo)
     if t0 > length:
-        raise ValueError(f"{s0.task}: {t0} tokens with the smallest haystack ({lo} units) exceed the "
+        raise DoesNotFit(f"{s0.task}: {t0} tokens with the smallest haystack ({lo} units) exceed the "
                          f"length {length}")
     hi = max(1, 2 * lo)
     while tokens(hi)[1] <= length:

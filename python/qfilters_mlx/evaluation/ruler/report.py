@@ -53,6 +53,13 @@ def _samples_text(rows: list[dict]) -> str:
     return ", ".join(f"{t} {k}" for t, k in n.items())
 
 
+def _unfit_text(unfit: list[str]) -> str:
+    if not unfit:
+        return ""
+    return (f" {len(unfit)} sample{'s' if len(unfit) > 1 else ''} did not fit this length even with the "
+            f"smallest haystack and {'were' if len(unfit) > 1 else 'was'} left out: {', '.join(unfit)}.")
+
+
 def markdown(board: dict, conclusion: str = "") -> str:
     """Per context length: sample counts and compute per stage; per metric and subset the average
     [95% interval] against compression ratio per (protocol, method); the paired differences per
@@ -87,7 +94,7 @@ def markdown(board: dict, conclusion: str = "") -> str:
                   f"cache, {c.get('validation', 0)} in the validation subset); samples per task: "
                   f"{_samples_text([r for r in sub if r['metric'] == 'forced_match' and r['subset'] == 'all'])}. "
                   f"Compute {s.get('total', 0) / 60:.1f} min (sum over samples, wall clock; per stage, min: "
-                  f"{stages}).", ""]
+                  f"{stages})." + _unfit_text(meta.get("does_not_fit", {}).get(length, [])), ""]
         for metric, subset, fmt in (("forced_match", "all", ".1f"), ("forced_match", "full_correct", ".1f"),
                                     ("loglik", "all", ".3f"), ("loglik", "full_correct", ".3f"),
                                     ("string_match", "all", ".1f")):

@@ -37,7 +37,7 @@ from qfilters_mlx.evaluation.ruler.arms import DEFAULT_COMPRESS_ARMS, STREAMING_
 from qfilters_mlx.evaluation.ruler.attention import fast_attention
 from qfilters_mlx.evaluation.ruler.decode import greedy, greedy_from
 from qfilters_mlx.evaluation.ruler.forced import forced_scores, gold_answer, split_model, summarize
-from qfilters_mlx.evaluation.ruler.prompt import fit, sample_tokens
+from qfilters_mlx.evaluation.ruler.prompt import DoesNotFit, fit, sample_tokens
 from qfilters_mlx.evaluation.ruler.rows import compressed_kv, forked_row, stacked_cache
 from qfilters_mlx.evaluation.ruler.scoring import sample_score
 from qfilters_mlx.evaluation.ruler.tasks import TASKS, Sources
@@ -291,11 +291,12 @@ def run_ruler(model, tokenizer, sources: Sources, s: RulerSettings, *, tasks: di
 
     Samples go index-major (every task's sample 0 first), so a stopped run holds about
     as many samples of each task. A sample whose record (``load``) holds every answer ``s``
-    asks for is skipped; one that lacks some answers runs only those.
+    asks for is skipped; one that lacks some answers runs only those. A sample whose smallest
+    haystack does not fit its length (:class:`.prompt.DoesNotFit`) is saved as a record with
+    ``"does_not_fit"`` (the reason) and no answers, and the run goes on.
 
     Raises:
-        ValueError: a record was produced with another ``s.fingerprint()``, a task is unknown
-            or a task does not fit a length.
+        ValueError: a record was produced with another ``s.fingerprint()``, or a task is unknown.
     """
     tasks = TASKS if tasks is None else tasks
     unknown = [t for t in s.tasks if t not in tasks]
@@ -311,11 +312,20 @@ def run_ruler(model, tokenizer, sources: Sources, s: RulerSettings, *, tasks: di
                 if record is not None and record.get("settings") != s.fingerprint():
                     raise ValueError(f"{key}: stored with settings {record.get('settings')}, this run has "
                                      f"{s.fingerprint()}; use another output folder")
+                if record is not None and "does_not_fit" in record:
+                    progress(f"{key} (does not fit)")
+                    continue
                 if record is not None and not any(_todo(record, s).values()):
                     progress(f"{key} (done)")
                     continue
                 seed = f"{s.seed}-{task}-{length}-{index}"
-                sample, n = fit(lambda m: tasks[task](sources, seed, m), tokenizer, length)
+                try:
+                    sample, n = fit(lambda m: tasks[task](sources, seed, m), tokenizer, length)
+                except DoesNotFit as err:  # recorded and reported; the run goes on
+                    save(key, {"settings": s.fingerprint(), "task": task, "length": length, "index": index,
+                               "seed": seed, "does_not_fit": str(err)})
+                    progress(f"{key} (does not fit)")
+                    continue
                 context, question = sample_tokens(tokenizer, sample)
                 if record is None:
                     record = {"settings": s.fingerprint(), "task": task, "length": length, "index": index,
