@@ -60,9 +60,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py", "cache/journal.py",
            "cache/persistence.py", "cache/rewind.py", "cache/compression.py", "cache/accounting.py",
-           "cache/inputs.py", "cache/attention.py", "cache/quantized.py", "scorers/base.py",
+           "cache/inputs.py", "cache/attention.py", "cache/dense.py", "cache/quantized.py", "scorers/base.py",
            "scorers/registry.py", "scorers/qfilters.py", "scorers/l2norm.py",
-           "scorers/seeded_random.py", "cache/speculative.py"]
+           "scorers/seeded_random.py", "scorers/full.py", "scorers/streaming_llm.py", "cache/speculative.py"]
 # Tests run against the survivors of mutmut's run (``--recheck``): the files holding the
 # tests written for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py",

@@ -275,7 +275,8 @@ def test_config_errors_name_the_field():
     streaming.update_and_fetch(mx.zeros((1, H, 4, D)), mx.zeros((1, H, 4, D)))
     with pytest.raises(ValueError, match="(?i)compress_?once"):
         compress_caches([streaming], ratio=0.5)
-    with pytest.raises(ValueError, match="no QFiltersKVCache"):
+    with pytest.raises(ValueError, match=r"^compress_caches: no QFiltersKVCache in caches \(build them with "
+                                         r"KVCacheBuilder.for_model and mode=CompressOnce\(...\)\)$"):
         compress_caches([object()])
 
 
@@ -460,3 +461,27 @@ def test_growth_at_its_limit_decodes_in_slot_mode():
                 keep = np_keep(scores[b, h, cand], 13, 0, 2)
                 np.testing.assert_array_equal(got[b, h], cand[keep])
         kept = got
+
+
+def test_compress_caches_by_budget_reaches_every_arm_of_a_batch_and_checks_all_first():
+    """``budget=K`` keeps the K best-scored positions (numpy top-k) in every cache, also in
+    the arms of an evaluation batch (``MultiArmCache``; Knorm keeps the smallest norms); a cache that
+    cannot be compressed stops the call before any cache changes."""
+    from qfilters_mlx.evaluation.multi_arm import MultiArmCache
+
+    T, K = 30, 7
+    k, v, f = _data(T, seed=5)
+    arms = [_cache("qfilters", f), _cache("l2norm")]
+    for c in arms:
+        _feed(c, k[:1], v[:1], 16)
+    assert compress_caches([MultiArmCache(arms)], budget=K) == [K, K]
+    scores = {0: lambda x, h: x @ f[h].astype(np.float64), 1: lambda x, h: -np.linalg.norm(x, axis=-1)}
+    for i, c in enumerate(arms):
+        want = [[sorted(np.argsort(-scores[i](k[0, h].astype(np.float64), h), kind="stable")[:K].tolist())
+                 for h in range(H)]]
+        assert c.kept_positions().tolist() == want
+    ready, empty = _cache("l2norm"), _cache("l2norm")
+    _feed(ready, k, v, 16)
+    with pytest.raises(ValueError, match="empty"):
+        compress_caches([ready, empty], budget=K)
+    assert ready.size() == T and ready.kept_positions().shape[-1] == T

@@ -357,3 +357,44 @@ def test_quantized_arms_batch_like_each_alone():
         batch_caches([row(20), KVCacheBuilder.for_model(MODEL, config())])
     with pytest.raises(ValueError, match="one kv_bits/kv_group_size"):
         batch_caches([row(20), row(20, bits=4)])
+
+
+@pytest.mark.parametrize("dk, dv, group_size", [(64, 32, 32), (32, 64, 32), (128, 64, 64)])
+def test_save_load_with_other_key_and_value_widths_and_groups(tmp_path, dk, dv, group_size):
+    """Keys and values of different widths (MLA-style heads), groups smaller than a row: the
+    loaded cache holds the same rows (``mx.dequantize`` of each) and continues bit for bit."""
+    mx.random.seed(dk + dv)
+    k = mx.random.normal((1, 2, 60, dk)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 60, dv)).astype(mx.float16)
+    a = QuantizedQFiltersKVCache(config(), bits=4, group_size=group_size)
+    list(feed([a], k, v, [40]))
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, [a])
+    (b,) = load_prompt_cache(path)
+    for x, y in zip(a.state, b.state):
+        assert (x is None and y is None) or isinstance(x, str) or mx.array_equal(x, y).item()
+    for (ka, va), (kb, vb) in feed([a, b], k[:, :, 40:], v[:, :, 40:], [1] * 8 + [4]):
+        for x, y in zip((*ka, *va), (*kb, *vb)):
+            assert mx.array_equal(x, y).item()
+
+
+def test_an_empty_quantized_cache_saves_and_loads_and_a_bad_row_format_is_refused():
+    import json
+
+    empty = QuantizedQFiltersKVCache(config(), bits=4).state
+    assert json.loads(empty[6])["kv_format"] is None
+    assert QuantizedQFiltersKVCache.from_state(empty).empty()
+    k, v = rand_kv(3, 30)
+    a = QuantizedQFiltersKVCache(config(), bits=4, group_size=32)
+    list(feed([a], k, v, [30]))
+    s = list(a.state)
+    meta = json.loads(s[6])
+    assert meta["kv_format"] == [D, D, "float16"]
+    for fmt, message in (([D, D, "float99"], r"^state: bad meta \(dtype 'float99'\)$"),
+                         ([D], r"^state: bad meta"),
+                         ([D, D // 2, "float16"], r"^state: stored rows .* do not match kv_format"),
+                         ([D // 2, D, "float16"], r"^state: stored rows .* do not match kv_format"),
+                         (None, r"^state: meta 'kv_format' must be given exactly when rows are$")):
+        bad = [*s[:6], json.dumps({**meta, "kv_format": fmt}), *s[7:]]
+        with pytest.raises(ValueError, match=message):
+            QuantizedQFiltersKVCache.from_state(bad)

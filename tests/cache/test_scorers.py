@@ -159,3 +159,22 @@ def test_the_engine_names_no_method(tmp_path):
     (planted / "x.py").write_text('"""full docstring"""\ndef f(c):\n    a = c.method == "x"\n'
                                   '    return {"full": 1}[c.kind]\n')
     assert method_names_in_engine(tmp_path, {"full"}) == ["cache/x.py:3", "cache/x.py:4"]
+
+
+def test_insertion_scores_by_name_pass_the_layer_seed_and_sign_to_the_scorer():
+    """``insertion_scores(method, ...)``: the scorer built with the given layer, seed and sign
+    (the random arm hashes (seed, layer, head, position); the filter score is ``sign * <k, f>``,
+    written out in numpy)."""
+    from qfilters_mlx.scorers import insertion_scores, random_scores
+
+    rng = np.random.default_rng(4)
+    keys = mx.array(rng.standard_normal((1, 2, 20, 8)).astype(np.float32))
+    pos = mx.broadcast_to(mx.arange(20)[None, None], (1, 2, 20))
+    got = insertion_scores("random", keys, pos, seed=3, layer=2)
+    assert mx.array_equal(got, random_scores(pos, 3, 2)).item()
+    assert not mx.array_equal(got, random_scores(pos, 0, 2)).item()
+    assert not mx.array_equal(got, random_scores(pos, 3, 0)).item()
+    f = rng.standard_normal((2, 8)).astype(np.float32)
+    want = -np.einsum("bhtd,hd->bht", np.array(keys, dtype=np.float64), f.astype(np.float64))
+    got = insertion_scores("qfilters", keys, pos, filters=mx.array(f), sign=-1)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
