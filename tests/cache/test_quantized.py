@@ -398,3 +398,27 @@ def test_an_empty_quantized_cache_saves_and_loads_and_a_bad_row_format_is_refuse
         bad = [*s[:6], json.dumps({**meta, "kv_format": fmt}), *s[7:]]
         with pytest.raises(ValueError, match=message):
             QuantizedQFiltersKVCache.from_state(bad)
+    for change, message in ((dict(kv_bits=None), r"^state: stored rows without kv_bits"),
+                            (dict(kv_bits="4"), r"^state: bad meta \(kv_bits must be an int"),
+                            (dict(kv_bits=7), r"^state: bad meta \(kv_bits must be None or one of"),
+                            (dict(kv_group_size="32"), r"^state: bad meta \(kv_group_size must be an int"),
+                            (dict(kv_group_size=0), r"^state: bad meta \(kv_group_size must be >= 1, got 0\)$"),
+                            (dict(kv_group_size=1), r"^state: bad meta \(kv_group_size must be one of"),
+                            (dict(kv_group_size=64), r"^state: stored rows .* do not match kv_format")):
+        bad = [*s[:6], json.dumps({**meta, "config": {**meta["config"], **change}}), *s[7:]]
+        with pytest.raises(ValueError, match=message):
+            QuantizedQFiltersKVCache.from_state(bad)
+    for i in (0, 1):  # float rows of the stored width: not packed rows
+        rows = list(s)
+        rows[i] = rows[i].astype(mx.float32)
+        with pytest.raises(ValueError, match=r"^state: stored rows .* do not match kv_format"):
+            QuantizedQFiltersKVCache.from_state(rows)
+
+
+@pytest.mark.parametrize("dk, dv", [(48, 64), (64, 48)])
+def test_from_cache_refuses_key_or_value_widths_that_are_not_whole_groups(dk, dv):
+    mx.random.seed(1)
+    c = QFiltersKVCache(config())
+    c.update_and_fetch(mx.random.normal((1, 2, 20, dk)), mx.random.normal((1, 2, 20, dv)))
+    with pytest.raises(ValueError, match=rf"^head_dim \({dk}, {dv}\) is not a multiple of kv_group_size 32$"):
+        QuantizedQFiltersKVCache.from_cache(c, group_size=32, bits=4)

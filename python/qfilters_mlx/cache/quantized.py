@@ -154,8 +154,9 @@ class QuantizedRows:
         entries after it; ``keys``/``values``: the stored rows).
 
         Raises:
-            ValueError: a bad ``kv_format``, or stored rows that do not match it at the
-                saved ``kv_bits`` / ``kv_group_size``.
+            ValueError: a bad ``kv_format``, ``kv_bits`` / ``kv_group_size`` that
+                :func:`check_quantization` refuses (or no ``kv_bits`` with stored rows), or stored
+                rows that do not match the format at those values.
         """
         try:
             fmt, cfg = meta.get("kv_format"), meta["config"]
@@ -169,9 +170,14 @@ class QuantizedRows:
             raise ValueError("state: meta 'kv_format' must be given exactly when rows are")
         bits, g = cfg.get("kv_bits"), cfg.get("kv_group_size")
         if keys is not None:
+            if bits is None:
+                raise ValueError("state: stored rows without kv_bits in the meta's config")
+            try:
+                check_quantization(bits, g, 0, None)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"state: bad meta ({err})") from err
             dtype = getattr(mx, fmt[2])
-            if not (isinstance(bits, int) and isinstance(g, int) and g > 0) or (
-                    keys.dtype != mx.uint32 or values.dtype != mx.uint32
+            if (keys.dtype != mx.uint32 or values.dtype != mx.uint32
                     or keys.shape[3] != row_words(fmt[0], dtype, g, bits)
                     or values.shape[3] != row_words(fmt[1], dtype, g, bits)):
                 raise ValueError(f"state: stored rows {tuple(keys.shape)}, {tuple(values.shape)} do not "
