@@ -281,11 +281,17 @@ def test_config_errors_name_the_field():
 
 
 @pytest.mark.parametrize("target, message", [
-    (dict(ratio=1.5), r"ratio .* must be in \[0, 1\)"),
-    (dict(ratio=-0.25), r"ratio .* must be in \[0, 1\)"),
-    (dict(budget=0), r"budget must be an int >= 1"),
-    (dict(ratio=0.5, budget=3), r"a compression ratio or a budget, not both"),
-], ids=["ratio_above_1", "ratio_below_0", "budget_0", "ratio_and_budget"])
+    (dict(ratio=1.5), r"^ratio \(the fraction of tokens removed\) must be in \[0, 1\), got 1.5$"),
+    (dict(ratio=1.0), r"^ratio \(the fraction of tokens removed\) must be in \[0, 1\), got 1.0$"),
+    (dict(ratio=-0.25), r"^ratio \(the fraction of tokens removed\) must be in \[0, 1\), got -0.25$"),
+    (dict(ratio="0.5"), r"^ratio \(the fraction of tokens removed\) must be in \[0, 1\), got '0.5'$"),
+    (dict(ratio=False), r"^ratio \(the fraction of tokens removed\) must be in \[0, 1\), got False$"),
+    (dict(budget=0), r"^budget must be an int >= 1, got 0$"),
+    (dict(budget=2.0), r"^budget must be an int >= 1, got 2.0$"),
+    (dict(budget=True), r"^budget must be an int >= 1, got True$"),
+    (dict(ratio=0.5, budget=3), r"^give a compression ratio or a budget, not both$"),
+], ids=["ratio_above_1", "ratio_1", "ratio_below_0", "ratio_str", "ratio_bool", "budget_0", "budget_float",
+        "budget_bool", "ratio_and_budget"])
 def test_compress_refuses_a_bad_target_before_changing_anything(target, message):
     """``cache.compress`` itself (not only ``compress_caches``) checks its ratio/budget: a
     ratio outside ``[0, 1)`` would keep ``max(1, int(T * (1 - ratio)))`` rows, budget 0 none."""

@@ -9,6 +9,7 @@ model after each accepted/rejected round is set by the emitted tokens alone).
 
 import importlib
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -125,3 +126,26 @@ def test_draft_caches_inside_a_cache_list_are_asked_too():
     assert fresh._journal.active  # asked: its rewind journal is on
     with pytest.raises(ValueError, match="draft model's eviction cache 0 cannot rewind.*max_rewind=0"):
         check_speculative([QFiltersKVCache(CONFIG), CacheList(QFiltersKVCache(CONFIG, max_rewind=0))], 1)
+
+
+@pytest.mark.parametrize("kind, why", [("max_rewind_0", "max_rewind=0"),
+                                       ("evicted", "max_rewind='auto', evicted without a journal"),
+                                       ("quantized", "max_rewind='auto', quantized K/V")])
+def test_the_refusal_names_why_the_draft_cache_cannot_rewind(kind, why):
+    from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
+    from qfilters_mlx.cache.speculative import check_speculative
+
+    cfg = KVCacheConfig(method="l2norm", qfilters_budget=8, qfilters_n_sink=1, qfilters_recent=2)
+    if kind == "max_rewind_0":
+        draft = QFiltersKVCache(cfg, max_rewind=0)
+    elif kind == "evicted":  # evicted before it was asked: no journal holds what it dropped
+        draft = QFiltersKVCache(cfg)
+        draft.update_and_fetch(mx.zeros((1, 2, 20, 64)), mx.zeros((1, 2, 20, 64)))
+    else:
+        draft = QuantizedQFiltersKVCache(cfg, bits=4)
+    want = (f"speculative decoding: the draft model's eviction cache 0 cannot rewind the rejected draft "
+            f"tokens ({why}); build the draft's caches with max_rewind >= num_draft_tokens (or the default "
+            "'auto', before any eviction), or give the draft model mlx-lm's own caches")
+    with pytest.raises(ValueError) as err:
+        check_speculative([QFiltersKVCache(cfg), draft], 1)
+    assert str(err.value) == want
