@@ -868,3 +868,16 @@ def test_keys_and_values_refuses_after_a_trim(max_rewind):
         assert c.evicted and c.trim(3) == 3
         with pytest.raises(ValueError, match="since the cache was built, loaded or trimmed"):
             c.keys_and_values()
+
+
+def test_query_calibration_at_exactly_the_budget_evicts_nothing():
+    """A query-calibrated cache holding exactly ``qfilters_budget`` tokens when its queries
+    complete the calibration drops nothing: it is not evicted (so with no rewind journal it
+    can still be trimmed, as a cache that never evicted), and keeps every position."""
+    c, k, q = observed_query_cache(44, 12, 12, qfilters_budget=12, qfilters_calib_tokens=12,
+                                   qfilters_n_sink=1, qfilters_recent=2)
+    c.update_and_fetch(k, k)
+    c.observe_queries(q)
+    assert c.filter is not None and not c.evicted and c.size() == 12
+    assert c.kept_positions().tolist() == [[list(range(12))] * H]
+    assert c.is_trimmable() and c.trim(3) == 3 and c.offset == 9

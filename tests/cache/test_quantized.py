@@ -422,3 +422,15 @@ def test_from_cache_refuses_key_or_value_widths_that_are_not_whole_groups(dk, dv
     c.update_and_fetch(mx.random.normal((1, 2, 20, dk)), mx.random.normal((1, 2, 20, dv)))
     with pytest.raises(ValueError, match=rf"^head_dim \({dk}, {dv}\) is not a multiple of kv_group_size 32$"):
         QuantizedQFiltersKVCache.from_cache(c, group_size=32, bits=4)
+
+
+def test_nbytes_counts_the_full_precision_keys_held_until_the_first_eviction():
+    """Before its first eviction a quantized cache whose filter is estimated from keys also
+    holds those keys at full precision: ``nbytes`` is every array it holds, those included."""
+    k, v = rand_kv(6, 40)
+    c = QuantizedQFiltersKVCache(config(qfilters_calib_tokens=16, qfilters_budget=64), bits=4)
+    c.update_and_fetch(k[:, :, :20], v[:, :, :20])
+    held = c.storage.fp_keys
+    assert held is not None and held.shape[2] == 16 and not c.evicted
+    arrays = (c.keys, c.values, c.scores, c.positions, c.filter, held)
+    assert c.nbytes == sum(a.nbytes for a in arrays)
