@@ -67,7 +67,8 @@ MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py",
 # tests written for them (they are in TESTS too: a fresh run counts them as kills directly).
 RECHECK_TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py",
                  "tests/cache/test_slot_mode.py", "tests/cache/test_rewind.py",
-                 "tests/cache/test_compression.py", "tests/cache/test_quantized.py"]
+                 "tests/cache/test_compression.py", "tests/cache/test_quantized.py",
+                 "tests/cache/test_scorers.py", "tests/cache/test_speculative_draft.py"]
 TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py", "tests/backends/test_decode_step.py",
          "tests/cache/test_cache_oracle.py", "tests/cache/test_properties.py", "tests/cache/test_cache_round_trip.py",
          "tests/cache/test_rewind.py", "tests/backends/test_perhead_recent.py",

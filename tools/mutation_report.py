@@ -19,6 +19,13 @@ mutated function and the one-line diff, as mutmut renumbers mutants), or ``unexp
 (or ``not rechecked``). ``score`` is killed / (checked - equivalent), checked = every
 mutant mutmut ran (not "not checked" or "no tests"). README's table is rendered from the
 JSON by :func:`table` (``tools/readme_results.py``, block ``mutation.json#table``).
+
+``--previous COMMIT`` carries verdicts of the report committed at ``COMMIT`` (its
+``bench/results/mutation.json``) where the code they judged is unchanged: a mutant the work
+dirs did not check, of a function whose source (docstring aside) is the same at ``COMMIT``
+and now, keeps its verdict there (killed, unless that report lists it otherwise), counted as
+``carried``; a module no work dir holds is carried whole when its file is the same at
+``COMMIT`` and now. Tests may have changed since; the carried count says how much rests on it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import ast
 import difflib
 import json
+import subprocess
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -34,31 +42,11 @@ REPO = Path(__file__).resolve().parent.parent
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it, newest first
-    "/tmp/qfm-decoded4": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-decoded4 "
-                         "--modules filters/decoded_windows.py --only "
-                         "'qfilters_mlx.filters.decoded_windows.x_candidate_windows*' "
-                         "'qfilters_mlx.filters.decoded_windows.x_decoded_summary*' --tests "
-                         "tests/filters/test_decoded_windows.py tests/commands/test_calibrate_decoded.py",
-    "/tmp/qfm-decoded3": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-decoded3 "
-                         "--modules evaluation/simulate.py --only 'qfilters_mlx.evaluation.simulate.x_keep_masks*' "
-                         "--tests tests/evaluation/test_simulate.py",
-    "/tmp/qfm-decoded2": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-decoded2 "
-                         "--modules filters/decoded_windows.py evaluation/simulate.py --tests "
-                         "tests/filters/test_decoded_windows.py tests/evaluation/test_simulate.py "
-                         "tests/commands/test_calibrate_decoded.py",
-    "/tmp/qfm-rest": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-rest "
-                     "--modules backends/reference.py cache/persistence.py",
-    "/tmp/qfm-core": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-core "
-                     "--modules cache/kv_cache.py cache/calibration.py cache/journal.py --only "
-                     "'qfilters_mlx.cache.calibration.*' 'qfilters_mlx.cache.journal.*' "
-                     "'qfilters_mlx.cache.kv_cache.<function>__mutmut_*' ...: every function of "
-                     "kv_cache.py but the fourteen the run below checked on the same source",
-    "/tmp/qfilters-mutation": "python tools/mutation.py --mutmut-path /work/mut-pkgs "
-                              "--modules cache/kv_cache.py cache/calibration.py [--resume --only "
-                              "'qfilters_mlx.cache.kv_cache.xǁQFiltersKVCacheǁ<function>__mutmut_*' ...: "
-                              "update_and_fetch _validate _before_call _append _decode_step _evict _calibrate; then "
-                              "trim trim_count _undo_call _undo_layout; then a run over observe_queries check_compress compress, "
-                              "stopped]",
+    "/tmp/qfm-engine": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-engine --modules "
+                       "<the scorers and cache modules of tools/mutation.py's MODULES> [--resume --only <every "
+                       "function of the scorers and of the cache modules first mutated here, and the functions "
+                       "of kv_cache.py, journal.py, persistence.py and calibration.py changed since the "
+                       "previous report>]",
 }
 
 
@@ -123,7 +111,90 @@ def load_run(work: Path) -> dict:
     return out
 
 
-def verdicts(runs: list[dict], equivalents: dict, modules: dict, survivors: list) -> None:
+def _sources(text: str) -> dict[str, str]:
+    """``{mutmut function key: ast dump of its body without the docstring}`` of a module's text."""
+    out = {}
+
+    def add(key, node):
+        body = node.body[1:] if (node.body and isinstance(node.body[0], ast.Expr)
+                                 and isinstance(node.body[0].value, ast.Constant)
+                                 and isinstance(node.body[0].value.value, str)) else node.body
+        out[key] = ast.dump(ast.Module(body=body, type_ignores=[])) + ast.dump(node.args)
+
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef):
+            add(f"x_{node.name}", node)
+        elif isinstance(node, ast.ClassDef):
+            for n in node.body:
+                if isinstance(n, ast.FunctionDef):
+                    add(f"xǁ{node.name}ǁ{n.name}", n)
+    return out
+
+
+class Previous:
+    """The report committed at ``commit`` and the sources it judged (see the module doc)."""
+
+    def __init__(self, commit: str):
+        self.commit = commit
+        self.report = json.loads(_git("show", f"{commit}:bench/results/mutation.json"))
+        self.verdicts = {s["mutant"]: s for s in self.report["survivors"]}
+        self._old, self._new = {}, {}
+
+    def _module_text(self, module: str) -> tuple[str | None, str | None]:
+        if module not in self._old:
+            try:
+                self._old[module] = _git("show", f"{self.commit}:python/qfilters_mlx/{module}")
+            except subprocess.CalledProcessError:
+                self._old[module] = None
+            path = REPO / "python" / "qfilters_mlx" / module
+            self._new[module] = path.read_text() if path.exists() else None
+        return self._old[module], self._new[module]
+
+    def same_module(self, module: str) -> bool:
+        old, new = self._module_text(module)
+        return old is not None and old == new
+
+    def same_function(self, module: str, fn: str) -> bool:
+        if module not in self.report["modules"]:  # (not judged by that report)
+            return False
+        old, new = self._module_text(module)
+        if old is None or new is None:
+            return False
+        a, b = _sources(old).get(fn), _sources(new).get(fn)
+        return a is not None and a == b
+
+    def verdict(self, name: str) -> tuple[str, str]:
+        """``(final key, verdict text)`` the earlier report gave mutant ``name``."""
+        s = self.verdicts.get(name)
+        if s is None:
+            return "killed", f"killed (carried from {self.commit})"
+        key = "equivalent" if s["status"].startswith("equivalent") else (
+            "killed" if s["status"].startswith("killed") else s["status"].replace(" ", "_"))
+        return key, f"{s['status']} (carried from {self.commit})"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
+
+
+def carried_modules(previous: Previous, modules: dict, survivors: list) -> list[str]:
+    """Add the modules of the earlier report that no work dir holds and whose file is unchanged;
+    returns the others (left out of this report)."""
+    left = []
+    for module, stats in previous.report["modules"].items():
+        if module in modules:
+            continue
+        if not previous.same_module(module):
+            left.append(module)
+            continue
+        modules[module] = {**stats, "carried": stats["total"]}
+        survivors += [{**s, "status": f"{s['status']} (carried from {previous.commit})"}
+                      for s in previous.report["survivors"] if s["module"] == module]
+    return left
+
+
+def verdicts(runs: list[dict], equivalents: dict, modules: dict, survivors: list,
+             previous: Previous | None = None) -> None:
     """Add every module of ``runs`` (work dirs, newest first) to ``modules`` and its non-killed
     mutants to ``survivors``. A module's mutants are those of the newest run holding it; each
     mutant's result comes from the newest run that checked it *on the same function source*
@@ -141,6 +212,14 @@ def verdicts(runs: list[dict], equivalents: dict, modules: dict, survivors: list
                         and r["hashes"].get(fn) == newest["hashes"].get(fn)), newest)
             code = src["codes"].get(name)
             status = STATUS.get(code, "suspicious")
+            if code is None and previous is not None and previous.same_function(module, fn):
+                key, verdict = previous.verdict(name)
+                raw["carried"] += 1
+                final[key] += 1
+                final["carried"] += 1
+                if name in previous.verdicts:
+                    survivors.append({**previous.verdicts[name], "status": verdict})
+                continue
             raw[status] += 1
             if status in ("not_checked", "skipped", "killed"):
                 final[status] += 1
@@ -171,22 +250,23 @@ def verdicts(runs: list[dict], equivalents: dict, modules: dict, survivors: list
                 final[verdict.replace(" ", "_")] += 1
             survivors.append({"mutant": name, "module": module, "mutmut": status,
                               "diff": diff, "status": verdict})
-        checked = sum(v for k, v in raw.items() if k not in ("not_checked", "no_tests", "skipped"))
+        checked = sum(v for k, v in raw.items() if k not in ("not_checked", "no_tests", "skipped", "carried"))
         modules[module] = {
             "total": len(newest["codes"]), "mutmut": dict(raw),
             "mutmut_score": round((raw["killed"] + raw["timeout"]) / max(checked, 1), 4),
-            "final": dict(final), "checked": checked,
-            "score": round(final["killed"] / max(checked - final["equivalent"], 1), 4),
+            "final": dict(final), "checked": checked, "carried": final["carried"],
+            "score": round(final["killed"] / max(checked + final["carried"] - final["equivalent"], 1), 4),
         }
 
 
 def table(results: dict) -> str:
     """README/markdown table of the per-module scores in ``results`` (mutation.json)."""
-    rows = ["| module | mutants | checked | killed | equivalent | unexplained | not checked / no tests "
-            "| mutmut's score | score |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| module | mutants | checked | carried | killed | equivalent | unexplained | not checked / no tests "
+            "| mutmut's score | score |", "|---|---|---|---|---|---|---|---|---|---|"]
     for m, s in results["modules"].items():
         f = s["final"]
-        rows.append(f"| {m} | {s['total']} | {s['checked']} | {f.get('killed', 0)} | {f.get('equivalent', 0)} "
+        rows.append(f"| {m} | {s['total']} | {s['checked']} | {s.get('carried', 0)} | {f.get('killed', 0)} "
+                    f"| {f.get('equivalent', 0)} "
                     f"| {f.get('unexplained', 0) + f.get('not_rechecked', 0)} "
                     f"| {f.get('not_checked', 0)} / {f.get('no_tests', 0)} "
                     f"| {100 * s['mutmut_score']:.1f}% | {100 * s['score']:.1f}% |")
@@ -197,10 +277,18 @@ def markdown(results: dict) -> str:
     """The whole report: commands, table, every non-killed mutant's verdict grouped by test / reason."""
     out = ["# Mutation check (mutmut 3.8.1): the eviction core", "", "Commands (from the repository root):", ""]
     out += [f"    {c}" for c in results["commands"]]
+    prev = results.get("previous")
     out += ["    python tools/mutation.py ... --resume --recheck [TEST ...]   # per work dir: survivors, timeouts, crashes",
-            "    python tools/mutation_report.py --workdir " + " ".join(results.get("workdirs", [])), "",
-            table(results),
-            "Score = killed / (checked - equivalent); checked = mutants mutmut ran. mutmut's score = "
+            "    python tools/mutation_report.py --workdir " + " ".join(results.get("workdirs", []))
+            + (f" --previous {prev['commit']}" if prev else ""), ""]
+    if prev:
+        out += [f"*Carried*: mutants of functions (or whole modules) whose source is the same as when the report "
+                f"committed at {prev['commit']} judged them keep that report's verdict (its runs: "
+                + "; ".join(f"`{c}`" for c in prev["commands"]) + "). The tests may have changed since. "
+                + (f"Left out (changed since, not re-run here): {', '.join(prev['left_out'])}." if prev["left_out"]
+                   else ""), ""]
+    out += [table(results),
+            "Score = killed / (checked + carried - equivalent); checked = mutants mutmut ran. mutmut's score = "
             "(killed + timeout) / checked, before the recheck. Below: every mutant mutmut did not count "
             "as killed (survived, timeout, suspicious = crashed, no tests) and what became of it.", ""]
     groups = defaultdict(list)
@@ -221,17 +309,24 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", nargs="+", default=[d for d in RUNS if Path(d).exists()])
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "mutation"))
+    p.add_argument("--previous", metavar="COMMIT", default=None,
+                   help="carry the verdicts of the report committed at COMMIT for unchanged code (module doc)")
     a = p.parse_args()
+    previous = Previous(a.previous) if a.previous else None
     # mutmut numbers a function's mutants anew when the covered lines change: an equivalent
     # mutant is identified by its function and its diff, not by its number
     equivalents = {(e["function"], e["diff"][:400]): e["reason"]
                    for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
     modules, survivors = {}, []
-    verdicts([load_run(Path(w)) for w in a.workdir], equivalents, modules, survivors)
+    verdicts([load_run(Path(w)) for w in a.workdir], equivalents, modules, survivors, previous)
+    left = carried_modules(previous, modules, survivors) if previous else []
     results = {"commands": [RUNS.get(w, f"python tools/mutation.py --workdir {w} ...") for w in a.workdir],
                "workdirs": list(a.workdir),
-               "score": "killed / (checked - equivalent); checked: mutants mutmut ran",
+               "score": "killed / (checked + carried - equivalent); checked: mutants mutmut ran",
                "modules": modules, "survivors": survivors}
+    if previous:
+        results["previous"] = {"commit": previous.commit, "commands": previous.report["commands"],
+                               "left_out": left}
     Path(a.out + ".json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     Path(a.out + ".md").write_text(markdown(results))
     print(table(results))
