@@ -881,3 +881,26 @@ def test_query_calibration_at_exactly_the_budget_evicts_nothing():
     assert c.filter is not None and not c.evicted and c.size() == 12
     assert c.kept_positions().tolist() == [[list(range(12))] * H]
     assert c.is_trimmable() and c.trim(3) == 3 and c.offset == 9
+
+
+def test_arrays_nbytes_sums_arrays_in_any_nesting_and_skips_none():
+    from qfilters_mlx.cache.accounting import arrays_nbytes
+
+    a, b = mx.zeros((2, 3), mx.float32), mx.zeros((5,), mx.int64)
+    c, d = mx.zeros((4, 4), mx.float16), mx.zeros((1,), mx.uint8)
+    assert arrays_nbytes() == 0 and arrays_nbytes(None) == 0
+    assert arrays_nbytes(a, (b, None, [c]), d) == 24 + 40 + 32 + 1
+    assert arrays_nbytes([a], b, (c, d)) == 24 + 40 + 32 + 1
+
+
+def test_a_cache_restored_from_an_empty_state_continues_as_a_new_cache():
+    cfg = KVCacheConfig(method="l2norm", qfilters_budget=6, qfilters_n_sink=1, qfilters_recent=2)
+    restored, fresh = QFiltersKVCache.from_state(QFiltersKVCache(cfg).state), QFiltersKVCache(cfg)
+    assert restored.size() == 0 and restored.offset == 0
+    rng = np.random.default_rng(45)
+    for L in (4, 5, 1, 1):
+        k = mx.array(rng.standard_normal((1, H, L, D)).astype(np.float32))
+        for c in (restored, fresh):
+            out = c.update_and_fetch(k, k)
+        assert restored.size() == fresh.size()
+        np.testing.assert_array_equal(np.array(restored.kept_positions()), np.array(fresh.kept_positions()))

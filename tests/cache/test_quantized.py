@@ -434,3 +434,26 @@ def test_nbytes_counts_the_full_precision_keys_held_until_the_first_eviction():
     assert held is not None and held.shape[2] == 16 and not c.evicted
     arrays = (c.keys, c.values, c.scores, c.positions, c.filter, held)
     assert c.nbytes == sum(a.nbytes for a in arrays)
+
+
+def test_fetched_rows_dequantize_to_each_input_row_at_its_own_width():
+    """What attention reads: keys and values of different widths each come back as
+    ``mx.quantize``'s (packed, scales, biases) of their own rows."""
+    mx.random.seed(9)
+    k = mx.random.normal((1, 2, 20, 64)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 20, 32)).astype(mx.float16)
+    c = QuantizedQFiltersKVCache(config(), bits=4, group_size=32)
+    ks, vs = c.update_and_fetch(k, v)  # 20 < budget: every row is returned
+    assert mx.array_equal(mx.dequantize(*ks, group_size=32, bits=4), qdq(k, 4, 32)).item()
+    assert mx.array_equal(mx.dequantize(*vs, group_size=32, bits=4), qdq(v, 4, 32)).item()
+
+
+def test_a_filter_estimated_from_keys_fed_one_token_at_a_time_equals_the_unquantized_caches():
+    """The full-precision keys held before calibration keep every row (calls of one token
+    from the first on): the filter is the unquantized cache's, bit for bit."""
+    k, v = rand_kv(10, 20)
+    cfg = config(qfilters_calib_tokens=8)
+    q, plain = QuantizedQFiltersKVCache(cfg, bits=4), QFiltersKVCache(cfg)
+    list(feed([q, plain], k, v, [1] * 10))
+    assert q.filter is not None
+    assert mx.array_equal(q.filter, plain.filter).item()
