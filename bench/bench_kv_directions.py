@@ -116,6 +116,14 @@ class Directions:
         raise ValueError(f"unknown arm {name!r}")
 
 
+def _missing(cell: dict, a):
+    """``(arm, budget, key)`` of the arms x budgets of ``a`` that ``cell`` has no result for yet."""
+    for arm in a.arms:
+        for b in a.budgets:
+            if f"{arm}@{b}" not in cell:
+                yield arm, b, f"{arm}@{b}"
+
+
 def run_g2(a, d: Directions, results: dict, save) -> None:
     base = json.loads(G2_FILE.read_text())
     text = source_text()
@@ -127,17 +135,14 @@ def run_g2(a, d: Directions, results: dict, save) -> None:
         p = needle_prompt(d.tokenizer, text[text.index("\n\n", int(off)) + 2:], base["settings"]["context"],
                           float(depth), ref["key"])
         cell = cells.setdefault(name, {})
-        for arm in a.arms:
-            for b in a.budgets:
-                if f"{arm}@{b}" in cell:
-                    continue
-                tic = time.perf_counter()
-                nll, arg = simulated_predictions(d.model, p.tokens, d.arm(arm, b), g2.PREFIX)
-                ok, key_nll = key_recall(p, nll, arg, g2.PREFIX)
-                cell[f"{arm}@{b}"] = {"recalled": ok, "key_nll": key_nll}
-                save()
-                print(f"{name} {arm}@{b}: {'R' if ok else '-'} key NLL {key_nll:.2f} "
-                      f"({time.perf_counter() - tic:.0f} s)", flush=True)
+        for arm, b, key in _missing(cell, a):
+            tic = time.perf_counter()
+            nll, arg = simulated_predictions(d.model, p.tokens, d.arm(arm, b), g2.PREFIX)
+            ok, key_nll = key_recall(p, nll, arg, g2.PREFIX)
+            cell[key] = {"recalled": ok, "key_nll": key_nll}
+            save()
+            print(f"{name} {key}: {'R' if ok else '-'} key NLL {key_nll:.2f} "
+                  f"({time.perf_counter() - tic:.0f} s)", flush=True)
 
 
 def run_g1(a, d: Directions, results: dict, save) -> None:
@@ -145,15 +150,12 @@ def run_g1(a, d: Directions, results: dict, save) -> None:
     for seg in a.segments:
         ids = d.tokenizer.encode(g1.segment_text(seg)[0], add_special_tokens=False)[:g1.TOKENS]
         cell = cells.setdefault(seg, {})
-        for arm in a.arms:
-            for b in a.budgets:
-                if f"{arm}@{b}" in cell:
-                    continue
-                tic = time.perf_counter()
-                nll = simulated_nll(d.model, ids, d.arm(arm, b), g1.PREFIX)
-                cell[f"{arm}@{b}"] = {"ppl": perplexity(nll), "nll": [round(x, 5) for x in nll]}
-                save()
-                print(f"{seg} {arm}@{b}: {perplexity(nll):.3f} ({time.perf_counter() - tic:.0f} s)", flush=True)
+        for arm, b, key in _missing(cell, a):
+            tic = time.perf_counter()
+            nll = simulated_nll(d.model, ids, d.arm(arm, b), g1.PREFIX)
+            cell[key] = {"ppl": perplexity(nll), "nll": [round(x, 5) for x in nll]}
+            save()
+            print(f"{seg} {key}: {perplexity(nll):.3f} ({time.perf_counter() - tic:.0f} s)", flush=True)
 
 
 def g1_summary(results: dict) -> dict:
