@@ -67,3 +67,14 @@ def test_rows_built_with_different_options_do_not_share_a_batch():
     with pytest.raises(ValueError, match="build options.*bits: 4 vs 8"):
         QFiltersKVCache.merge([QuantizedQFiltersKVCache(config(), bits=4),
                                QuantizedQFiltersKVCache(config(), bits=8)])
+
+
+def test_build_cache_picks_the_quantized_class_for_kv_bits_a_config_carries():
+    """A config carrying build options (what a saved cache's loader hands on) picks the class
+    by their ``kv_bits``: quantized with bits, the plain cache without."""
+    from qfilters_mlx.config.build import BuildOptions
+
+    quantized = build_cache(config().with_build_options(BuildOptions(kv_bits=4, kv_group_size=32)))
+    assert type(quantized) is QuantizedQFiltersKVCache and (quantized.bits, quantized.group_size) == (4, 32)
+    plain = build_cache(config().with_build_options(BuildOptions(max_rewind=2)))
+    assert type(plain) is QFiltersKVCache and plain.max_rewind == 2

@@ -491,3 +491,25 @@ def test_compress_caches_by_budget_reaches_every_arm_of_a_batch_and_checks_all_f
     with pytest.raises(ValueError, match="empty"):
         compress_caches([ready, empty], budget=K)
     assert ready.size() == T and ready.kept_positions().shape[-1] == T
+
+
+def test_after_a_compression_a_journaled_cache_rewinds_only_what_its_journal_holds():
+    """With a rewind journal (max_rewind=2) the tokens appended since the compression are
+    rewindable only as far as the journal reaches (2), not all 5 of them; a deeper trim is
+    refused before anything changes, and a trim within the reach is exact."""
+    T = 20
+    k, v, f = _data(T + 5, seed=11)
+    c = QFiltersKVCache(KVCacheConfig(method="qfilters", head_dim=D, qfilters_n_sink=0,
+                                      mode=CompressOnce(ratio=0.5, at="manual")),
+                        filters=mx.array(f), backend="reference", max_rewind=2)
+    ref = _cache("qfilters", f, ratio=0.5)
+    for x in (c, ref):
+        _feed(x, k[:, :, :T], v[:, :, :T], 10)
+        compress_caches([x])
+    _feed(c, k[:, :, T:], v[:, :, T:], 1)
+    _feed(ref, k[:, :, T:T + 3], v[:, :, T:T + 3], 1)
+    assert c.rewindable_tokens == 2
+    with pytest.raises(ValueError, match="cannot rewind 4 tokens"):
+        c.trim(4)
+    assert c.offset == T + 5 and c.trim(2) == 2
+    np.testing.assert_array_equal(np.array(c.kept_positions()), np.array(ref.kept_positions()))

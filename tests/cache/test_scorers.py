@@ -178,3 +178,38 @@ def test_insertion_scores_by_name_pass_the_layer_seed_and_sign_to_the_scorer():
     want = -np.einsum("bhtd,hd->bht", np.array(keys, dtype=np.float64), f.astype(np.float64))
     got = insertion_scores("qfilters", keys, pos, filters=mx.array(f), sign=-1)
     np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+
+
+class FilterDot(Scorer):
+    """A scorer of the tests that reads the filter: ``<k, f>`` (large is kept); it records the
+    positions and backend each call of ``scores`` gets."""
+
+    name = "filter_dot"
+    uses_filter = True
+    calls = []
+
+    def scores(self, keys, positions, filters=None, backend=None):
+        FilterDot.calls.append((positions, backend))
+        return (keys * filters[None, :, None, :]).sum(-1).astype(mx.float32)
+
+
+def test_a_filter_reading_scorer_gets_the_filter_positions_and_backend_in_every_decode_step():
+    """Slot-mode decode steps score the new key with the cache's filter, its int64 position and
+    the cache's backend: the kept positions are numpy's top-k of <k, f>, and every call of
+    ``scores`` was handed what the contract says."""
+    register(FilterDot)
+    try:
+        k, v = keys_values(40, seed=3)
+        f = mx.array(np.random.default_rng(5).standard_normal((2, 8)).astype(np.float32))
+        c = QFiltersKVCache(KVCacheConfig(method="filter_dot", qfilters_budget=10, qfilters_n_sink=2,
+                                          qfilters_recent=3), filters=f, backend="reference")
+        FilterDot.calls = []
+        feed(c, k, v, 12)
+        want = np_keep_rows(np.einsum("bhtd,hd->bht", np.array(k, np.float64), np.array(f, np.float64)), 10, 2, 3)
+        np.testing.assert_array_equal(np.array(c.kept_positions()), want)
+        assert len(FilterDot.calls) == 1 + 28  # the prefill, then one per decoded token
+        for i, (pos, backend) in enumerate(FilterDot.calls[1:]):
+            assert pos.dtype == mx.int64 and pos.shape == (1, 2, 1) and (np.array(pos) == 12 + i).all()
+            assert backend is c.backend
+    finally:
+        unregister(FilterDot.name)
