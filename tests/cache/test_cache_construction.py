@@ -78,3 +78,23 @@ def test_build_cache_picks_the_quantized_class_for_kv_bits_a_config_carries():
     assert type(quantized) is QuantizedQFiltersKVCache and (quantized.bits, quantized.group_size) == (4, 32)
     plain = build_cache(config().with_build_options(BuildOptions(max_rewind=2)))
     assert type(plain) is QFiltersKVCache and plain.max_rewind == 2
+
+
+def test_refusals_at_construction_name_the_fix():
+    """Without calibrated filters the default filter source says where they come from; the
+    plain class refuses the kv_bits a config carries, naming the classes that store it."""
+    from qfilters_mlx.config.build import BuildOptions
+
+    with pytest.raises(ValueError) as err:
+        QFiltersKVCache(KVCacheConfig(method="qfilters"))
+    assert str(err.value) == (
+        "qfilters_filter_source='calibrated' (the default) scores with the model's calibrated query filter, "
+        "which KVCacheBuilder.for_model / install find or make: build the caches with them, pass filters= "
+        "([H_kv, D]), or choose an online filter (qfilters_filter_source='queries' inside observe_queries, "
+        "or 'keys')")
+    with pytest.raises(ValueError) as err:
+        QFiltersKVCache(config().with_build_options(BuildOptions(kv_bits=4, kv_group_size=32)))
+    assert str(err.value) == (
+        "the config asks for kv_bits=4: QFiltersKVCache stores K/V unquantized; build a "
+        "QuantizedQFiltersKVCache, or use build_cache(config, ...) or KVCacheBuilder, which pick the class "
+        "from kv_bits")

@@ -102,6 +102,8 @@ def test_building_or_loading_an_eviction_cache_installs_the_guard(monkeypatch, t
         monkeypatch.setattr(generate, "speculative_generate_step", original)
         make()
         assert generate.speculative_generate_step.__wrapped__ is original
+        make()  # once in place, not wrapped again
+        assert generate.speculative_generate_step.__wrapped__ is original
 
 
 def test_kv_bits_with_eviction_caches_is_refused_before_the_prompt():
