@@ -68,7 +68,8 @@ MODULES = ["backends/reference.py", "cache/kv_cache.py", "cache/calibration.py",
 RECHECK_TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py",
                  "tests/cache/test_slot_mode.py", "tests/cache/test_rewind.py",
                  "tests/cache/test_compression.py", "tests/cache/test_quantized.py",
-                 "tests/cache/test_scorers.py", "tests/cache/test_speculative_draft.py"]
+                 "tests/cache/test_scorers.py", "tests/cache/test_speculative_draft.py",
+                 "tests/cache/test_cache_construction.py"]
 TESTS = ["tests/backends/test_reference.py", "tests/cache/test_cache.py", "tests/backends/test_decode_step.py",
          "tests/cache/test_cache_oracle.py", "tests/cache/test_properties.py", "tests/cache/test_cache_round_trip.py",
          "tests/cache/test_rewind.py", "tests/backends/test_perhead_recent.py",
@@ -260,8 +261,28 @@ def mutants_with(workdir: Path, codes) -> list[str]:
     return names
 
 
+def classified_equivalent(workdir: Path, names: list[str]) -> set[str]:
+    """The mutants among ``names`` that ``tools/mutation_equivalents.json`` lists (matched by
+    function and diff, as ``tools/mutation_report.py`` matches them)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from mutation_report import functions, mutant_diff
+
+    eq = {(e["function"], e["diff"][:400])
+          for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
+    funcs, out = {}, set()
+    for name in names:
+        module = name.rsplit(".", 1)[0]
+        path = workdir / "mutants" / "src" / (module.replace(".", "/") + ".py")
+        if path not in funcs:
+            funcs[path] = functions(path)
+        if (name.split("__mutmut_")[0], mutant_diff(funcs[path], name)[:400]) in eq:
+            out.add(name)
+    return out
+
+
 def recheck(workdir: Path, tests, full_tests, mutmut_path: str, env) -> int:
-    """Run ``tests`` against every survivor of mutmut's run and ``full_tests`` against
+    """Run ``tests`` against every survivor of mutmut's run (but those already classified
+    equivalent: they survive any test) and ``full_tests`` against
     every mutant it timed out (on a loaded machine a timeout can be starvation, not a
     hang) or whose test process crashed; write ``WORKDIR/recheck.json``
     ``{mutant: {"exit_code", "killed_by", "tests"}}`` (exit code 1 and the first failing test: killed)."""
@@ -269,7 +290,10 @@ def recheck(workdir: Path, tests, full_tests, mutmut_path: str, env) -> int:
     (workdir / "mutants" / "tests").mkdir(exist_ok=True)
     shutil.copytree(workdir / "tests", workdir / "mutants" / "tests", dirs_exist_ok=True)
     result = {}
-    for group, names in (("survivors", mutants_with(workdir, (0,))),
+    survivors = mutants_with(workdir, (0,))
+    equivalent = classified_equivalent(workdir, survivors)
+    print(f"{len(equivalent)} of {len(survivors)} survivors already classified equivalent: not re-run")
+    for group, names in (("survivors", [n for n in survivors if n not in equivalent]),
                          ("timeouts", mutants_with(workdir, TIMEOUT_CODES + CRASH_CODES))):
         group_tests = list(tests) if group == "survivors" else list(full_tests)
         cmd = ["nice", "-n", "19", sys.executable, "-c", RECHECK, mutmut_path,

@@ -42,6 +42,10 @@ REPO = Path(__file__).resolve().parent.parent
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"}
 RUNS = {  # work dir -> the command that made it, newest first
+    "/tmp/qfm-loaded": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-loaded --modules "
+                       "cache/quantized.py --only 'qfilters_mlx.cache.quantized.xǁQuantizedRowsǁloaded*' "
+                       "'qfilters_mlx.cache.quantized.xǁQuantizedRowsǁsaved*' (QuantizedRows.loaded after it "
+                       "changed during the run below)",
     "/tmp/qfm-engine": "python tools/mutation.py --mutmut-path /work/mut-pkgs --workdir /tmp/qfm-engine --modules "
                        "<the scorers and cache modules of tools/mutation.py's MODULES> [--resume --only <every "
                        "function of the scorers and of the cache modules first mutated here, and the functions "
@@ -259,6 +263,10 @@ def verdicts(runs: list[dict], equivalents: dict, modules: dict, survivors: list
         }
 
 
+def _percent(x: float, mutants: int) -> str:
+    return f"{100 * x:.1f}%" if mutants else "-"  # (a module of class attributes only has no mutant)
+
+
 def table(results: dict) -> str:
     """README/markdown table of the per-module scores in ``results`` (mutation.json)."""
     rows = ["| module | mutants | checked | carried | killed | equivalent | unexplained | not checked / no tests "
@@ -269,7 +277,8 @@ def table(results: dict) -> str:
                     f"| {f.get('equivalent', 0)} "
                     f"| {f.get('unexplained', 0) + f.get('not_rechecked', 0)} "
                     f"| {f.get('not_checked', 0)} / {f.get('no_tests', 0)} "
-                    f"| {100 * s['mutmut_score']:.1f}% | {100 * s['score']:.1f}% |")
+                    f"| {_percent(s['mutmut_score'], s['checked'])} "
+                    f"| {_percent(s['score'], s['checked'] + s.get('carried', 0))} |")
     return "\n".join(rows) + "\n"
 
 
