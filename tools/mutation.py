@@ -265,10 +265,9 @@ def classified_equivalent(workdir: Path, names: list[str]) -> set[str]:
     """The mutants among ``names`` that ``tools/mutation_equivalents.json`` lists (matched by
     function and diff, as ``tools/mutation_report.py`` matches them)."""
     sys.path.insert(0, str(REPO / "tools"))
-    from mutation_report import functions, mutant_diff
+    from mutation_report import functions, load_equivalents, mutant_diff
 
-    eq = {(e["function"], e["diff"][:400])
-          for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
+    eq = load_equivalents()
     funcs, out = {}, set()
     for name in names:
         module = name.rsplit(".", 1)[0]

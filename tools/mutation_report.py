@@ -99,6 +99,14 @@ def rechecks(work: Path) -> dict:
     return found
 
 
+def load_equivalents() -> dict[tuple[str, str], str]:
+    """``{(function, diff): reason}`` of ``tools/mutation_equivalents.json``. mutmut numbers a
+    function's mutants anew when the covered lines change: an equivalent mutant is identified
+    by its function and its diff (first 400 characters), not by its number."""
+    return {(e["function"], e["diff"][:400]): e["reason"]
+            for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
+
+
 def _function(name: str) -> str:
     """The mutated function's key in mutmut's ``hash_by_function_name`` (``xǁClassǁmethod``, ``x_function``)."""
     return name.rsplit(".", 1)[1].rsplit("__mutmut_", 1)[0]
@@ -142,17 +150,18 @@ class Previous:
         self.commit = commit
         self.report = json.loads(_git("show", f"{commit}:bench/results/mutation.json"))
         self.verdicts = {s["mutant"]: s for s in self.report["survivors"]}
-        self._old, self._new = {}, {}
+        self._texts, self._functions = {}, {}
 
     def _module_text(self, module: str) -> tuple[str | None, str | None]:
-        if module not in self._old:
+        """The module's text at the commit and now (``None`` where it does not exist), read once."""
+        if module not in self._texts:
             try:
-                self._old[module] = _git("show", f"{self.commit}:python/qfilters_mlx/{module}")
+                old = _git("show", f"{self.commit}:python/qfilters_mlx/{module}")
             except subprocess.CalledProcessError:
-                self._old[module] = None
+                old = None
             path = REPO / "python" / "qfilters_mlx" / module
-            self._new[module] = path.read_text() if path.exists() else None
-        return self._old[module], self._new[module]
+            self._texts[module] = (old, path.read_text() if path.exists() else None)
+        return self._texts[module]
 
     def same_module(self, module: str) -> bool:
         old, new = self._module_text(module)
@@ -161,11 +170,10 @@ class Previous:
     def same_function(self, module: str, fn: str) -> bool:
         if module not in self.report["modules"]:  # (not judged by that report)
             return False
-        old, new = self._module_text(module)
-        if old is None or new is None:
-            return False
-        a, b = _sources(old).get(fn), _sources(new).get(fn)
-        return a is not None and a == b
+        if module not in self._functions:  # parsed once per module, not per mutant
+            self._functions[module] = tuple(_sources(t) if t is not None else {} for t in self._module_text(module))
+        old, new = self._functions[module]
+        return fn in old and old[fn] == new.get(fn)
 
     def verdict(self, name: str) -> tuple[str, str]:
         """``(final key, verdict text)`` the earlier report gave mutant ``name``."""
@@ -322,10 +330,7 @@ def main() -> int:
                    help="carry the verdicts of the report committed at COMMIT for unchanged code (module doc)")
     a = p.parse_args()
     previous = Previous(a.previous) if a.previous else None
-    # mutmut numbers a function's mutants anew when the covered lines change: an equivalent
-    # mutant is identified by its function and its diff, not by its number
-    equivalents = {(e["function"], e["diff"][:400]): e["reason"]
-                   for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
+    equivalents = load_equivalents()
     modules, survivors = {}, []
     verdicts([load_run(Path(w)) for w in a.workdir], equivalents, modules, survivors, previous)
     left = carried_modules(previous, modules, survivors) if previous else []
