@@ -265,7 +265,7 @@ def classified_equivalent(workdir: Path, names: list[str]) -> set[str]:
     """The mutants among ``names`` that ``tools/mutation_equivalents.json`` lists (matched by
     function and diff, as ``tools/mutation_report.py`` matches them)."""
     sys.path.insert(0, str(REPO / "tools"))
-    from mutation_report import functions, load_equivalents, mutant_diff
+    from mutation_report import equivalent_key, functions, load_equivalents, mutant_diff
 
     eq = load_equivalents()
     funcs, out = {}, set()
@@ -274,7 +274,7 @@ def classified_equivalent(workdir: Path, names: list[str]) -> set[str]:
         path = workdir / "mutants" / "src" / (module.replace(".", "/") + ".py")
         if path not in funcs:
             funcs[path] = functions(path)
-        if (name.split("__mutmut_")[0], mutant_diff(funcs[path], name)[:400]) in eq:
+        if equivalent_key(name, mutant_diff(funcs[path], name)) in eq:
             out.add(name)
     return out
 

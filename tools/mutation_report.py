@@ -99,11 +99,17 @@ def rechecks(work: Path) -> dict:
     return found
 
 
+def equivalent_key(mutant: str, diff: str) -> tuple[str, str]:
+    """How ``tools/mutation_equivalents.json`` identifies mutant ``mutant`` (a mutmut name, or the
+    entry's ``function``) with diff ``diff``: mutmut numbers a function's mutants anew when the
+    covered lines change, so the key is the function and the diff's first 400 characters, not
+    the number."""
+    return mutant.split("__mutmut_")[0], diff[:400]
+
+
 def load_equivalents() -> dict[tuple[str, str], str]:
-    """``{(function, diff): reason}`` of ``tools/mutation_equivalents.json``. mutmut numbers a
-    function's mutants anew when the covered lines change: an equivalent mutant is identified
-    by its function and its diff (first 400 characters), not by its number."""
-    return {(e["function"], e["diff"][:400]): e["reason"]
+    """``{equivalent_key: reason}`` of ``tools/mutation_equivalents.json``."""
+    return {equivalent_key(e["function"], e["diff"]): e["reason"]
             for e in json.loads((REPO / "tools" / "mutation_equivalents.json").read_text())}
 
 
@@ -243,7 +249,7 @@ def verdicts(runs: list[dict], equivalents: dict, modules: dict, survivors: list
                 funcs[src["meta"]] = functions(src["meta"].with_suffix(""))
             r = rechecked[work].get(name)
             diff = mutant_diff(funcs[src["meta"]], name)
-            reason = equivalents.get((name.split("__mutmut_")[0], diff[:400]))
+            reason = equivalents.get(equivalent_key(name, diff))
             if status == "no_tests" and reason is None:
                 final[status] += 1
                 verdict = "no tests"
