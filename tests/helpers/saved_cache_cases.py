@@ -30,11 +30,14 @@ enable_fast_blas()  # (before MLX is imported; the tests' conftest does the same
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx.utils import tree_map  # noqa: E402
-from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import save_prompt_cache  # noqa: E402
 
 from qfilters_mlx import CompressOnce, KVCacheBuilder, KVCacheConfig  # noqa: E402
+
+try:  # (as tests/helpers, or as the package `tests.helpers` when run as a script)
+    from helpers.batch_helpers import tiny_llama  # noqa: E402
+except ImportError:
+    from tests.helpers.batch_helpers import tiny_llama  # noqa: E402
 
 VOCAB = 64
 FORMAT1 = Path(__file__).resolve().parents[1] / "fixtures" / "saved_caches" / "format1"
@@ -43,14 +46,7 @@ FORMAT1 = Path(__file__).resolve().parents[1] / "fixtures" / "saved_caches" / "f
 def tiny_model(seed: int = 0):
     """A 2-layer float32 llama with random weights (head_dim 32: quantizable with group size
     32; 2 KV heads), scaled by 3 so that its logits vary."""
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-5, vocab_size=VOCAB, head_dim=32, tie_word_embeddings=True)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    model.update(tree_map(lambda p: p * 3, model.parameters()))
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama(seed, vocab_size=VOCAB, head_dim=32, intermediate_size=96)
 
 
 @dataclass(frozen=True)

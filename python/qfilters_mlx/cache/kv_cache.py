@@ -57,7 +57,8 @@ from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, RewindJournal, 
 from qfilters_mlx.cache.attention import keys_and_values, make_mask
 from qfilters_mlx.cache.quantized import QuantizedRows, check_quantization, quantized_copy
 from qfilters_mlx.cache.speculative import guard_speculative
-from qfilters_mlx.config import BuildOptions, KVCacheConfig, check_int, given_build_options
+from qfilters_mlx.config import (DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_REWIND,
+                                 KVCacheConfig, check_int)
 from qfilters_mlx.config.build import AUTO
 from qfilters_mlx.scorers import insertion_scores, random_scores
 
@@ -103,8 +104,7 @@ class QFiltersKVCache(_BaseCache):
         TypeError: ``config`` is not a :class:`KVCacheConfig`.
         ValueError: the backend is not available; ``filters`` is ``None`` with
             ``qfilters_filter_source="calibrated"`` (the default: those filters come from
-            ``KVCacheBuilder.for_model``); a config asking for quantized storage;
-            ``max_rewind < 0``.
+            ``KVCacheBuilder.for_model``); ``max_rewind < 0``.
     """
 
     step = 256  # rows a buffer grows by (mlx-lm's KVCache: 256)
@@ -116,26 +116,17 @@ class QFiltersKVCache(_BaseCache):
         self._setup(config, layer_idx, filters, backend, max_rewind)
 
     def _setup(self, config, layer_idx, filters, backend, max_rewind, bits=None, group_size=None):
-        """``__init__`` of both classes: the only place that reads the build options a config
-        carries (its deprecated spellings, :func:`~qfilters_mlx.config.given_build_options`)."""
+        """``__init__`` of both classes (``None``: each option's default)."""
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        carried = given_build_options(config) or BuildOptions()
-        if not self.quantized and carried.kv_bits is not None:
-            raise ValueError(
-                f"the config asks for kv_bits={carried.kv_bits}: QFiltersKVCache stores K/V "
-                "unquantized; build a QuantizedQFiltersKVCache, or use build_cache(config, ...) or "
-                "KVCacheBuilder, which pick the class from kv_bits")
         filters = checked_filters(config, filters)
         guard_speculative()  # (mlx-lm's speculative decoding asks draft caches too)
-        backend = carried.backend if backend is None else backend
-        if max_rewind is None:
-            max_rewind = carried.max_rewind
+        backend = DEFAULT_BACKEND if backend is None else backend
+        max_rewind = DEFAULT_MAX_REWIND if max_rewind is None else max_rewind
         if max_rewind != AUTO:
             check_int("max_rewind", max_rewind, 0)
         if self.quantized:
-            bits = carried.kv_bits if bits is None else bits
-            group_size = carried.kv_group_size if group_size is None else group_size
+            group_size = DEFAULT_KV_GROUP_SIZE if group_size is None else group_size
             if bits is None:
                 raise ValueError(f"{type(self).__name__} needs bits= (2, 4 or 8), got None")
             check_quantization(bits, group_size, max_rewind, config.head_dim)
@@ -540,14 +531,14 @@ class QuantizedQFiltersKVCache(QFiltersKVCache):
         config, layer_idx, filters, backend, max_rewind: as :class:`QFiltersKVCache`
             (``max_rewind`` must be 0: a quantized cache cannot rewind after an eviction).
         bits: 2, 4 or 8; group_size: 32, 64 or 128 (the head dimension must be a multiple;
-            default 64). ``None``: what a config spelled the deprecated way carries.
+            default 64).
 
     Attributes:
         bits, group_size: the quantization (mlx-lm's attention reads them).
 
     Raises:
-        ValueError: no ``bits`` (neither given nor in the config), or values
-            ``KVCacheConfig`` would refuse for ``kv_bits`` / ``kv_group_size``.
+        ValueError: no ``bits``, or values the build options refuse for ``kv_bits`` /
+            ``kv_group_size`` (:class:`~qfilters_mlx.config.BuildOptions`).
     """
 
     quantized = True
@@ -578,17 +569,15 @@ def build_cache(config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | N
                 bits: int | None = None, group_size: int | None = None, backend: str | None = None,
                 max_rewind: int | None = None) -> QFiltersKVCache:
     """One layer's eviction cache of the class the storage asks for: a
-    :class:`QuantizedQFiltersKVCache` when ``bits`` (or the deprecated ``kv_bits`` a config carries)
-    is set, else a
-    :class:`QFiltersKVCache` (arguments as theirs; ``KVCacheBuilder`` builds with it).
+    :class:`QuantizedQFiltersKVCache` when ``bits`` is set, else a :class:`QFiltersKVCache`
+    (arguments as theirs; ``KVCacheBuilder`` builds with it).
 
     Raises:
         TypeError, ValueError: as the class's constructor.
     """
     if not isinstance(config, KVCacheConfig):
         raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-    carried = given_build_options(config)
-    if bits is not None or (carried is not None and carried.kv_bits is not None):
+    if bits is not None:
         return QuantizedQFiltersKVCache(config, layer_idx, filters, bits=bits, group_size=group_size,
                                         backend=backend, max_rewind=max_rewind)
     return QFiltersKVCache(config, layer_idx, filters, backend=backend, max_rewind=max_rewind)
