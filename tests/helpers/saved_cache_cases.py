@@ -7,9 +7,10 @@ state, saves them with mlx-lm's ``save_prompt_cache``, then runs a fixed continu
 the model's logits and, at the end, every layer's kept positions and offset.
 
 The committed files under ``tests/fixtures/saved_caches/format1/`` were written by the 0.2.0 code
-(commit 9bc1663, the flat saved layout, "format 1") with::
+(commit 9bc1663, the flat saved layout, "format 1"), installed in ``.venv`` by ``.ci/setup``,
+from the repository root with::
 
-    PYTHONPATH=python:. .venv/bin/python -m tests.helpers.saved_cache_cases tests/fixtures/saved_caches/format1
+    .venv/bin/python -m tests.helpers.saved_cache_cases tests/fixtures/saved_caches/format1
 
 ``<case>.safetensors`` is the saved cache, ``<case>.npz`` the continuation measured with that
 code from the caches as they were before saving (``logits`` ``[steps, vocab]`` float32 of the

@@ -14,7 +14,8 @@ import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
-from qfilters_mlx.config import BuildOptions, KVCacheConfig, merge_options, per_layer_table
+from qfilters_mlx.config import (BuildOptions, KVCacheConfig, merge_options, per_layer_table,
+                                 with_stored_windows)
 from qfilters_mlx.model_info import CacheSlot, default_caches, probe_layout, replace_at, walk
 from qfilters_mlx.scorers import FullScorer
 
@@ -238,6 +239,7 @@ class KVCacheBuilder:
     def _prepare(self, model, config, tokenizer, model_path, keywords):
         """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
         options = self.options_for(config, **keywords)
+        config = with_stored_windows(config)  # (recent="calibrated": the file read once, here)
         from qfilters_mlx.sharding import check_shards, shard_info
 
         check_shards(model)  # a tensor-parallel rank holds whole KV heads

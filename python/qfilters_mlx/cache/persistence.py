@@ -15,10 +15,10 @@ mlx-lm's ``save_prompt_cache`` stores (:func:`encode`) and back, checking everyt
   the build options the cache uses (``"build"``: backend, max_rewind, kv_bits,
   kv_group_size; :mod:`qfilters_mlx.config.state`), the scalar attributes and the slot
   layout. Files of format 1 (0.1, 0.2: no ``"format"``) are read through
-  :func:`~qfilters_mlx.config.state.from_format1`; another format raises ``ValueError``. A cache saved in the middle of a decode
-  (slot mode) reloads in the same slot layout, so it continues bit for bit like an
-  uninterrupted run. The rewind journal is not saved: a reloaded cache can rewind only
-  what it has seen since (a deeper ``trim`` raises).
+  :func:`~qfilters_mlx.config.state.from_format1`; another format raises ``ValueError``.
+  A cache saved in the middle of a decode (slot mode) reloads in the same slot layout, so
+  it continues bit for bit like an uninterrupted run. The rewind journal is not saved: a
+  reloaded cache can rewind only what it has seen since (a deeper ``trim`` raises).
 * copies: the resolved kernel backend (a table of compiled functions, not picklable) is
   stored by name and resolved again; everything else (arrays, journal, storage) is
   copied, so copies are independent.
@@ -37,9 +37,11 @@ from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import RewindJournal, to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.cache.rewind import depth_now
+from qfilters_mlx.cache.rows import Rows, resolve_limits
 from qfilters_mlx.cache.speculative import guard_speculative
-from qfilters_mlx.config import (DEFAULT_KV_GROUP_SIZE, FORMAT, FORMATS, BuildOptions, KVCacheConfig, build_from_state,
-                                 build_to_state, config_from_state, config_to_state, from_format1)
+from qfilters_mlx.config import (DEFAULT_KV_GROUP_SIZE, FORMAT, FORMATS, BuildOptions,
+                                 KVCacheConfig, build_from_state, build_to_state,
+                                 config_from_state, config_to_state, from_format1)
 
 __all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle", "read_meta", "restore",
            "saved_state", "snapshot"]
@@ -55,8 +57,8 @@ class Snapshot:
     input, in the stored layout (slot layout when ``free`` is set) in :func:`decode`'s
     output; ``None`` each while empty. ``slot_order``: ``[B, H_kv, S-1]`` int32 slot of
     each temporal row, with ``free [B, H_kv]`` the free slot (slot mode), else ``None``.
-    ``build``: the :class:`BuildOptions` the cache uses (the backend by the name asked for). ``storage``: the quantized
-    storage (``None`` for dense rows). ``compressed``: ``(rows kept, offset)`` of a
+    ``build``: the :class:`BuildOptions` the cache uses (the backend by the name asked for).
+    ``storage``: the quantized storage (``None`` for dense rows). ``compressed``: ``(rows kept, offset)`` of a
     compress-once compression, or ``None``.
     """
 
@@ -241,12 +243,15 @@ def restore(cache, v) -> None:
     cache.offset, cache.evicted, cache.filter_fixed = s.offset, s.evicted, s.filter_fixed
     cache.queries_observed = cache._queries_pending = False
     cache._queries = s.queries
-    cache._set_rows(s.rows)
+    cache.rows = Rows(*s.rows)
     cache._n = 0 if s.rows[0] is None else s.rows[0].shape[2] - (s.free is not None)
     cache._free, cache._victim_rows = s.free, None
     cache.filter = s.filter
     cache._journal = RewindJournal(depth_now(cache))
     cache._compressed, cache._saw_chunk = s.compressed, s.saw_chunk
+    cache.recent_window = s.config.layer_recent(s.layer_idx)
+    cache.limits = resolve_limits(s.config, cache.recent_window, cache.scorer.ranks,
+                                  None if s.compressed is None else s.compressed[0])
     cache.keep_last_kv, cache._last_kv = s.keep_last_kv, None
 
 

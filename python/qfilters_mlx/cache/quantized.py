@@ -239,7 +239,7 @@ def quantized_copy(cache, cls, bits: int, group_size: int):
     new.__dict__.update(cache.__dict__)
     new.config, new.storage, new.bits, new.group_size = config, storage, bits, group_size
     new._journal = RewindJournal(0)
-    if cache.keys is not None:
-        new.keys, new.values = keys, values
+    if cache.rows.keys is not None:
+        new.rows = cache.rows._replace(keys=keys, values=values)
     return new
 

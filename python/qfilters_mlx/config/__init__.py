@@ -25,7 +25,8 @@ from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
                                               default_sign)
 from qfilters_mlx.config.method import KVCacheConfig
 from qfilters_mlx.config.modes import COMPRESS_AT, MODES, CompressOnce, Streaming
-from qfilters_mlx.config.recent import layer_recent, per_layer_table, resolve_recent
+from qfilters_mlx.config.recent import (layer_recent, per_layer_table, resolve_recent,
+                                       with_stored_windows)
 from qfilters_mlx.config.state import (FORMAT, FORMATS, build_from_state, build_to_state,
                                       config_from_state, config_to_state, from_format1)
 
@@ -37,5 +38,5 @@ __all__ = [
     "FORMAT", "FORMATS", "BuildOptions", "CompressOnce", "KVCacheConfig", "Streaming", "build_from_state",
     "build_to_state", "check_int", "config_from_state", "config_to_state", "default_recent",
     "default_sign", "from_format1",
-    "layer_recent", "merge_options", "per_layer_table", "resolve_recent",
+    "layer_recent", "merge_options", "per_layer_table", "resolve_recent", "with_stored_windows",
 ]

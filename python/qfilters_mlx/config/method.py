@@ -58,7 +58,8 @@ class KVCacheConfig(_Fields):
         qfilters_recent: trailing positions never evicted: an int, a per-head table
             ``[n_layers, n_kv_heads]`` or ``[n_kv_heads]`` (each in ``[0, budget - n_sink]``;
             stored as tuples), or ``"calibrated"`` (the table in the ``qfilters_filters``
-            file for this budget and n_sink; :mod:`qfilters_mlx.config.recent`).
+            file for this budget and n_sink, read when ``KVCacheBuilder`` builds the caches:
+            the constructor reads no file; :mod:`qfilters_mlx.config.recent`).
             ``None`` (default) is resolved at construction: :func:`default_recent` in the
             streaming mode, 0 in the compress-once mode; reading the field gives the
             resolved value, so ``dataclasses.replace(config, qfilters_budget=B)`` keeps the

@@ -24,7 +24,8 @@ REMOVED = {
 (:class:`CompressOnce`; ``"name"``: the mode's class), ``("build", k)`` the build keyword ``k``
 of ``KVCacheBuilder(...)``, ``for_model``, ``install`` and the cache constructors."""
 
-_BUILT_WHERE = "(KVCacheBuilder(...), KVCacheBuilder.for_model, KVCacheBuilder.install, the cache constructors)"
+_BUILT_WHERE = ("(KVCacheBuilder(...), KVCacheBuilder.for_model, KVCacheBuilder.install, the cache "
+                "constructors)")
 
 
 def new_spelling(old: str) -> str:
