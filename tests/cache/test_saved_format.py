@@ -123,3 +123,22 @@ def test_an_unknown_format_is_refused_naming_it(tmp_path, fmt):
     mx.save_safetensors(str(tmp_path / "g.safetensors"), arrays, metadata)
     with pytest.raises(ValueError, match=rf"saved cache format {fmt!r}"):
         load_prompt_cache(str(tmp_path / "g.safetensors"))
+
+
+def test_a_batch_of_format1_rows_loads_each_row_through_the_translator():
+    """A ``BatchQFiltersCache`` state is its rows' states: rows saved in format 1 (the meta as
+    0.2.0 wrote it) load as the single caches do, quantized rows by the class their build
+    options name."""
+    from qfilters_mlx.cache.batch import BatchQFiltersCache
+
+    for name in ("streaming", "quantized"):
+        path = cases.FORMAT1 / f"{name}.safetensors"
+        singles = load_prompt_cache(str(path))
+        raw = [json.dumps(m) for m in _raw_metas(path)]
+        single = singles[0]  # (a batch's rows share the layer: layer 0's state twice)
+        row = (*single.state[:6], raw[0], *single.state[7:])
+        batch = BatchQFiltersCache.from_state(row + row)
+        assert [type(r) for r in batch.caches] == [type(single)] * 2
+        for r, c in zip(batch.caches, [single, single]):
+            assert (r.offset, r.limits, r.config) == (c.offset, c.limits, c.config)
+            np.testing.assert_array_equal(np.array(r.kept_positions()), np.array(c.kept_positions()))
