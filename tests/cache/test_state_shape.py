@@ -67,7 +67,8 @@ def test_the_live_rows_are_one_value_that_the_components_take_and_return(tmp_pat
     assert cache.rows == Rows(None, None, None, None) and cache.keys is None
     steps = [lambda: feed(cache, k, v, [20, 1, 1]), lambda: cache.trim(2),  # slot mode, rewind
              lambda: feed(cache, k, v, [4], start=20), cache.kept_positions,  # back to temporal
-             cache.shrink_to_fit]
+             cache.shrink_to_fit, lambda: feed(cache, k, v, [1, 1], start=24),  # journaled steps
+             cache.shrink_to_fit, lambda: cache.trim(2)]  # (the journal's arrays mapped, then undone)
     for step in steps:
         step()
         assert type(cache.rows) is Rows

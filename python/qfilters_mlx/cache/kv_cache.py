@@ -369,7 +369,7 @@ class QFiltersKVCache(_BaseCache):
         if record is None:
             return k, v
         self._journal.push(record)
-        self._victim_rows = self.rows.take(self._free[:, :, None])
+        self._victim_rows = tuple(self.rows.take(self._free[:, :, None]))  # (a journal entry)
         return mx.depends([k], list(self._victim_rows))[0], v
 
     def _slot_order(self) -> mx.array:
