@@ -58,9 +58,9 @@ BUGS: list[dict] = [
     dict(name="state_in_slot_order", kind=1, file="cache/kv_cache.py",
          what="state returns the rows in slot order (the restore to temporal order skipped)",
          old="        if self._free is None:\n"
-             "            return tuple(None if a is None else a[:, :, : self._n] for a in arrays)",
+             "            return self.rows.head(self._n)",
          new="        if True:\n"
-             "            return tuple(None if a is None else a[:, :, : self._n] for a in arrays)",
+             "            return self.rows.head(self._n)",
          tests=[ROUND_TRIP]),
     dict(name="filter_fixed_not_saved", kind=1, file="cache/persistence.py",
          what="filter_fixed not saved (always False in the saved meta)",

@@ -11,7 +11,7 @@ imported, as soon as) ``mlx_lm.models.cache`` is imported
 
 from importlib import import_module
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "CompressOnce": ".config",

@@ -1,9 +1,7 @@
 """How a cache is built: ``QFiltersKVCache`` and its sibling ``QuantizedQFiltersKVCache``
 (picked by the caller, ``build_cache`` or ``KVCacheBuilder``; never switched silently), and
 the build options given to the constructor (``backend``, ``max_rewind``, ``bits``,
-``group_size``). References: mlx-lm's class layout (one base, ``_BaseCache``); the same cache
-built from a configuration carrying the options in their deprecated spelling:
-tests/cache/test_config.py."""
+``group_size``). References: mlx-lm's class layout (one base, ``_BaseCache``)."""
 
 import mlx.core as mx
 import numpy as np
@@ -34,7 +32,7 @@ def test_build_cache_hands_every_argument_to_the_class_it_picks(bits):
     assert bool(mx.array_equal(c.filter, f))
     if bits:
         assert (c.bits, c.group_size) == (8, 32)
-    # the defaults: layer 0, no filter, the config's backend and rewind depth
+    # the defaults: layer 0, no filter, backend "auto", rewind depth "auto"
     d = build_cache(config(), bits=bits)
     assert (d.layer_idx, d.filter, d._backend_name, d.max_rewind) == (0, None, "auto", "auto")
 
@@ -69,22 +67,9 @@ def test_rows_built_with_different_options_do_not_share_a_batch():
                                QuantizedQFiltersKVCache(config(), bits=8)])
 
 
-def test_build_cache_picks_the_quantized_class_for_kv_bits_a_config_carries():
-    """A config carrying build options (what a saved cache's loader hands on) picks the class
-    by their ``kv_bits``: quantized with bits, the plain cache without."""
-    from qfilters_mlx.config.build import BuildOptions
-
-    quantized = build_cache(config().with_build_options(BuildOptions(kv_bits=4, kv_group_size=32)))
-    assert type(quantized) is QuantizedQFiltersKVCache and (quantized.bits, quantized.group_size) == (4, 32)
-    plain = build_cache(config().with_build_options(BuildOptions(max_rewind=2)))
-    assert type(plain) is QFiltersKVCache and plain.max_rewind == 2
-
-
 def test_refusals_at_construction_name_the_fix():
     """Without calibrated filters the default filter source says where they come from; the
-    plain class refuses the kv_bits a config carries, naming the classes that store it."""
-    from qfilters_mlx.config.build import BuildOptions
-
+    plain class takes no bits (the quantized sibling does)."""
     with pytest.raises(ValueError) as err:
         QFiltersKVCache(KVCacheConfig(method="qfilters"))
     assert str(err.value) == (
@@ -92,9 +77,7 @@ def test_refusals_at_construction_name_the_fix():
         "which KVCacheBuilder.for_model / install find or make: build the caches with them, pass filters= "
         "([H_kv, D]), or choose an online filter (qfilters_filter_source='queries' inside observe_queries, "
         "or 'keys')")
-    with pytest.raises(ValueError) as err:
-        QFiltersKVCache(config().with_build_options(BuildOptions(kv_bits=4, kv_group_size=32)))
-    assert str(err.value) == (
-        "the config asks for kv_bits=4: QFiltersKVCache stores K/V unquantized; build a "
-        "QuantizedQFiltersKVCache, or use build_cache(config, ...) or KVCacheBuilder, which pick the class "
-        "from kv_bits")
+    with pytest.raises(TypeError, match="bits"):
+        QFiltersKVCache(config(), bits=4)
+    with pytest.raises(ValueError, match="QuantizedQFiltersKVCache needs bits="):
+        QuantizedQFiltersKVCache(config())

@@ -26,8 +26,8 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from helpers.backends_here import BACKENDS
 from qfilters_mlx import KVCacheConfig, QFiltersKVCache
 
-SKIP = {"_journal", "backend", "queries_observed", "_queries_pending", "keys", "values", "scores",
-        "positions", "_victim_rows"}
+SKIP = {"_journal", "backend", "queries_observed", "_queries_pending", "rows",  # (rows: by state)
+        "_victim_rows"}
 H_KV, H_Q, D = 2, 4, 8
 
 

@@ -1,9 +1,8 @@
-"""KVCacheConfig's fields, its mode objects, the build options apart from it, and the earlier
-flat spellings (deprecated: they warn once and map to the new ones)."""
+"""KVCacheConfig's fields, its mode objects, the build options apart from it, and the 0.1
+spellings removed in 0.3.0 (TypeError naming the new spelling)."""
 
 import dataclasses
 import json
-import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -11,63 +10,54 @@ import pytest
 
 from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
 from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache, build_cache
-from qfilters_mlx.config import (DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_REWIND, BuildOptions,
-                                 CompressOnce, Streaming, config_from_state, config_to_state,
-                                 default_recent)
+from qfilters_mlx.config import (DEFAULT_MAX_REWIND, BuildOptions, CompressOnce, Streaming,
+                                 build_from_state, config_from_state, config_to_state,
+                                 default_recent, from_format1)
 
 KEYS = dict(qfilters_filter_source="keys")  # an online filter: caches build without a model
 
-OLD_TO_NEW = [  # (old spelling, the same configuration spelled anew, build options, the hint)
-    (dict(qfilters_mode="compress_once"), dict(mode=CompressOnce()), BuildOptions(),
-     "use mode=CompressOnce()"),
-    (dict(qfilters_mode="compress_once", qfilters_compression_ratio=0.25, qfilters_growth=7,
-          qfilters_compress_at="manual"),
-     dict(mode=CompressOnce(ratio=0.25, growth=7, at="manual")), BuildOptions(),
-     "use mode=CompressOnce(ratio=0.25, growth=7, at='manual')"),
-    (dict(qfilters_mode="streaming"), dict(mode=Streaming()), BuildOptions(), "use mode=Streaming()"),
-    (dict(qfilters_backend="reference"), {}, BuildOptions(backend="reference"),
-     "use the keywords backend='reference' where the caches are built"),
-    (dict(qfilters_max_rewind=5), {}, BuildOptions(max_rewind=5), "the keywords max_rewind=5 where"),
-    (dict(kv_bits=4, kv_group_size=32), {}, BuildOptions(kv_bits=4, kv_group_size=32),
-     "the keywords kv_bits=4, kv_group_size=32 where"),
+REMOVED = [  # (0.1 spelling, what the TypeError must say to write instead)
+    (dict(qfilters_mode="compress_once"), "mode=CompressOnce("),
+    (dict(qfilters_compression_ratio=0.25), "mode=CompressOnce(ratio=...)"),
+    (dict(qfilters_growth=7), "mode=CompressOnce(growth=...)"),
+    (dict(qfilters_compress_at="manual"), "mode=CompressOnce(at=...)"),
+    (dict(qfilters_backend="reference"), "the keyword backend= where the caches are built"),
+    (dict(qfilters_max_rewind=5), "the keyword max_rewind= where the caches are built"),
+    (dict(kv_bits=4), "the keyword kv_bits= where the caches are built"),
+    (dict(kv_group_size=32), "the keyword kv_group_size= where the caches are built"),
 ]
 
 
-@pytest.mark.parametrize("old,new,options,hint", OLD_TO_NEW)
-def test_old_spellings_warn_once_naming_the_new_one_and_map_to_it(old, new, options, hint):
-    with pytest.warns(DeprecationWarning) as record:
-        cfg = KVCacheConfig(**old, **KEYS)
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert all(f"{name}={value!r}" in message for name, value in old.items()) and hint in message
-    assert record[0].filename == __file__  # points at the caller's line
-    assert cfg.mode == KVCacheConfig(**new, **KEYS).mode
-    # the old attributes read back what was given (else the defaults), without a warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for name, value in old.items():
-            assert getattr(cfg, name) == value
-        assert (cfg.qfilters_backend, cfg.qfilters_max_rewind, cfg.kv_bits, cfg.kv_group_size) == (
-            options.backend, options.max_rewind, options.kv_bits, options.kv_group_size)
-        assert KVCacheBuilder().options_for(cfg) == options
-        assert dataclasses.replace(cfg, qfilters_budget=512).qfilters_backend == options.backend
+@pytest.mark.parametrize("old,hint", REMOVED, ids=lambda x: next(iter(x)) if isinstance(x, dict) else "")
+def test_a_removed_spelling_raises_type_error_naming_the_new_one(old, hint):
+    (name,) = old
+    with pytest.raises(TypeError) as err:
+        KVCacheConfig(**old, **KEYS)
+    message = str(err.value)
+    assert f"'{name}'" in message and "removed in 0.3.0" in message and hint in message
+    with pytest.raises(TypeError, match=name):  # dataclasses.replace constructs anew
+        dataclasses.replace(KVCacheConfig(**KEYS), **old)
+    with pytest.raises(AttributeError):  # no legacy property reads it back
+        getattr(KVCacheConfig(**KEYS), name)
 
 
-def test_reading_the_defaults_by_their_old_names():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        c = KVCacheConfig()
-        assert (c.qfilters_mode, c.qfilters_compression_ratio, c.qfilters_growth,
-                c.qfilters_compress_at) == ("streaming", None, None, "prompt_end")
-        assert (c.qfilters_backend, c.qfilters_max_rewind, c.kv_bits, c.kv_group_size) == (
-            "auto", DEFAULT_MAX_REWIND, None, DEFAULT_KV_GROUP_SIZE)
-        assert DEFAULT_MAX_REWIND == "auto" and KVCacheBuilder().options_for() == BuildOptions()
-        once = KVCacheConfig(mode=CompressOnce(ratio=0.5, growth=3, at="manual"), **KEYS)
-        assert (once.qfilters_mode, once.qfilters_compression_ratio, once.qfilters_growth,
-                once.qfilters_compress_at, once.compress_once) == ("compress_once", 0.5, 3, "manual", True)
-    # explicit defaults spelled the old way equal the default configuration
-    with pytest.warns(DeprecationWarning):
-        assert KVCacheConfig(qfilters_backend="auto", qfilters_max_rewind="auto") == KVCacheConfig()
+def test_several_removed_spellings_are_named_together_and_nothing_else_is_accepted():
+    with pytest.raises(TypeError, match=r"\['qfilters_mode', 'qfilters_growth', 'kv_bits'\]"):
+        KVCacheConfig(qfilters_mode="compress_once", qfilters_growth=3, kv_bits=4)
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['budget'\\]"):
+        KVCacheConfig(budget=8)
+
+
+def test_the_seed_spelling_builds_with_for_model():
+    """The method page's spelling: ``KVCacheConfig(method="qfilters", head_dim=..., qfilters_budget=...,
+    qfilters_n_sink=..., qfilters_recent=..., qfilters_calib_tokens=..., qfilters_sign=...)`` with
+    ``KVCacheBuilder.for_model`` (key-SVD filter here: no calibration run)."""
+    config = KVCacheConfig(method="qfilters", head_dim=32, qfilters_budget=8, qfilters_n_sink=2,
+                           qfilters_recent=0, qfilters_calib_tokens=4, qfilters_sign=1, **KEYS)
+    caches = KVCacheBuilder.for_model(_tiny(), config)
+    assert [c.config for c in caches] == [config, config]
+    assert all((c.scorer.sign, c.recent_window, c.max_rewind) == (1, 0, DEFAULT_MAX_REWIND)
+               for c in caches)
 
 
 def test_fields_are_the_method_only():
@@ -138,43 +128,6 @@ def test_build_options_are_checked_where_given(kwargs, exc, name):
         KVCacheBuilder.for_model(object(), KVCacheConfig(**KEYS), **kwargs)
 
 
-def test_old_spelling_errors_name_the_old_field():
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_backend"):
-        KVCacheConfig(qfilters_backend="cuda")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_max_rewind=0"):
-        KVCacheConfig(kv_bits=4, qfilters_max_rewind=1)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_growth"):
-        KVCacheConfig(qfilters_growth=3)  # streaming: would be ignored
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_mode"):
-        KVCacheConfig(qfilters_mode="once")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_compression_ratio"):
-        KVCacheConfig(qfilters_mode="compress_once", qfilters_compression_ratio=1.0)
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="qfilters_compression_ratio"):
-        KVCacheConfig(qfilters_mode="compress_once", qfilters_compression_ratio="0.5")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError,
-                                                         match="qfilters_compression_ratio.*compress_once"):
-        KVCacheConfig(qfilters_compression_ratio=0.5)  # streaming mode: would be ignored
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="qfilters_compress_at"):
-        KVCacheConfig(qfilters_mode="compress_once", qfilters_compress_at="later")
-    with pytest.warns(DeprecationWarning):  # compress-once: no recent window
-        assert KVCacheConfig(qfilters_mode="compress_once").qfilters_recent == 0
-
-
-def test_a_keyword_and_a_deprecated_value_that_disagree_raise_naming_both():
-    with pytest.warns(DeprecationWarning):
-        cfg = KVCacheConfig(qfilters_backend="reference", qfilters_max_rewind=4, **KEYS)
-    b = KVCacheBuilder()
-    with pytest.raises(ValueError, match=r"backend='cpp'.*qfilters_backend='reference'"):
-        b.options_for(cfg, backend="cpp")
-    with pytest.raises(ValueError, match=r"max_rewind=2.*qfilters_max_rewind=4"):
-        KVCacheBuilder(max_rewind=2).for_model(object(), cfg)
-    # agreeing values, and keywords over what the configuration left at its default
-    assert b.options_for(cfg, backend="reference", kv_bits=None) == BuildOptions("reference", 4)
-    assert b.options_for(cfg, kv_group_size=32) == BuildOptions("reference", 4, None, 32)
-    # a call's keyword over the builder's
-    assert KVCacheBuilder(backend="cpp").options_for(None, backend="reference").backend == "reference"
-
-
 def test_replace_keeps_resolved_windows_and_signs_until_given_none_again():
     """``qfilters_recent=None`` and ``qfilters_sign=None`` resolve at construction; the field
     then reads the resolved value, which ``dataclasses.replace`` carries over."""
@@ -188,32 +141,52 @@ def test_replace_keeps_resolved_windows_and_signs_until_given_none_again():
     keys = dataclasses.replace(c, qfilters_filter_source="keys")
     assert keys.qfilters_sign == 1  # the query filter's resolved +1 is kept
     assert dataclasses.replace(c, qfilters_filter_source="keys", qfilters_sign=None).qfilters_sign == -1
-    with warnings.catch_warnings():  # replace on the new fields warns about nothing
-        warnings.simplefilter("error")
-        dataclasses.replace(once, mode=Streaming(), qfilters_recent=None)
-    with pytest.warns(DeprecationWarning):  # an old spelling given to replace edits the mode
-        grown = dataclasses.replace(KVCacheConfig(mode=CompressOnce(ratio=0.5)), qfilters_growth=8)
-    assert grown.mode == CompressOnce(ratio=0.5, growth=8)
+    assert dataclasses.replace(once, mode=Streaming(), qfilters_recent=None).qfilters_recent == 128
 
 
-def test_saved_form_is_the_flat_field_layout_and_reads_back():
-    with pytest.warns(DeprecationWarning):
-        cfg = KVCacheConfig(qfilters_backend="reference", mode=CompressOnce(ratio=0.5), **KEYS)
+def test_saved_form_uses_the_current_names_and_reads_back():
+    cfg = KVCacheConfig(mode=CompressOnce(ratio=0.5), **KEYS)
     state = config_to_state(cfg)
     assert sorted(state) == sorted([
         "method", "head_dim", "qfilters_budget", "qfilters_n_sink", "qfilters_recent",
-        "qfilters_calib_tokens", "qfilters_sign", "qfilters_seed", "qfilters_backend",
-        "qfilters_filter_source", "qfilters_max_rewind", "qfilters_filters", "qfilters_mode",
-        "qfilters_compression_ratio", "qfilters_growth", "qfilters_compress_at", "kv_bits",
-        "kv_group_size"])
-    assert (state["qfilters_mode"], state["qfilters_compression_ratio"], state["qfilters_backend"]) == (
-        "compress_once", 0.5, "reference")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        back, options = config_from_state(state)
-    assert back == KVCacheConfig(mode=CompressOnce(ratio=0.5), **KEYS)
-    assert options == BuildOptions(backend="reference")
-    assert config_to_state(back, options) == state
+        "qfilters_calib_tokens", "qfilters_sign", "qfilters_seed", "qfilters_filter_source",
+        "qfilters_filters", "mode"])
+    assert state["mode"] == {"name": "compress_once", "ratio": 0.5, "growth": None, "at": "prompt_end"}
+    assert json.loads(json.dumps(state)) == state
+    assert config_from_state(state) == cfg
+    assert config_to_state(KVCacheConfig())["mode"] == {"name": "streaming"}
+    with pytest.raises(ValueError, match="saved mode"):
+        config_from_state({**state, "mode": {"name": "later"}})
+
+
+FORMAT1_CONFIG = {  # a flat format-1 "config" as 0.2.0 wrote it (field by field)
+    "method": "qfilters", "head_dim": 64, "qfilters_budget": 16, "qfilters_n_sink": 2,
+    "qfilters_recent": 0, "qfilters_calib_tokens": 8, "qfilters_sign": -1, "qfilters_seed": 0,
+    "qfilters_filter_source": "keys", "qfilters_filters": None, "qfilters_mode": "compress_once",
+    "qfilters_compression_ratio": 0.25, "qfilters_growth": 3, "qfilters_compress_at": "manual",
+    "qfilters_backend": "reference", "qfilters_max_rewind": 0, "kv_bits": 4, "kv_group_size": 32}
+
+
+def test_the_format1_translator_moves_each_old_field_where_the_table_says():
+    meta = {"config": dict(FORMAT1_CONFIG), "offset": "7", "kv_format": [64, 64, "float16"]}
+    out = from_format1(meta)
+    assert meta["config"] == FORMAT1_CONFIG and "format" not in meta  # (the input is not changed)
+    assert out["format"] == 2 and (out["offset"], out["kv_format"]) == ("7", [64, 64, "float16"])
+    assert out["build"] == {"backend": "reference", "max_rewind": 0, "kv_bits": 4, "kv_group_size": 32}
+    assert out["config"]["mode"] == {"name": "compress_once", "ratio": 0.25, "growth": 3, "at": "manual"}
+    assert config_from_state(out["config"]) == KVCacheConfig(
+        head_dim=64, qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=0, qfilters_calib_tokens=8,
+        qfilters_sign=-1, **KEYS, mode=CompressOnce(ratio=0.25, growth=3, at="manual"))
+    assert build_from_state(out["build"]) == BuildOptions("reference", 0, 4, 32)
+    # streaming: the unused compress-once fields are dropped; None build options take the defaults
+    flat = {**FORMAT1_CONFIG, "qfilters_mode": "streaming", "qfilters_compression_ratio": None,
+            "qfilters_growth": None, "qfilters_compress_at": "prompt_end", "kv_bits": None,
+            "qfilters_max_rewind": "auto"}
+    out = from_format1({"config": flat})
+    assert out["config"]["mode"] == {"name": "streaming"}
+    assert build_from_state(out["build"]) == BuildOptions(backend="reference", kv_group_size=32)
+    with pytest.raises(ValueError, match="format-1 meta without a 'config'"):
+        from_format1({"offset": "3"})
 
 
 def _tiny():
@@ -229,21 +202,16 @@ def _tiny():
     return model
 
 
-def test_build_keywords_reach_every_cache_like_the_old_spelling():
+def test_build_keywords_reach_every_cache():
     """backend, max_rewind, kv_bits/kv_group_size given to for_model, install or the builder
-    make the same caches as the deprecated configuration fields did: same backend, same rewind
-    depth (a rewind within it succeeds after an eviction, one beyond raises), same storage."""
+    reach every cache: same backend, same rewind depth (a rewind within it succeeds after an
+    eviction, one beyond raises), same storage; the configuration carries none of them."""
     model = _tiny()
     cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_recent=2, **KEYS,
                         qfilters_calib_tokens=4)
-    with pytest.warns(DeprecationWarning):
-        old_cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_recent=2, **KEYS,
-                                qfilters_calib_tokens=4, qfilters_backend="reference",
-                                qfilters_max_rewind=3)
     builds = {
         "keywords": KVCacheBuilder.for_model(model, cfg, backend="reference", max_rewind=3),
         "builder": KVCacheBuilder(backend="reference", max_rewind=3).for_model(model, cfg),
-        "old": KVCacheBuilder.for_model(model, old_cfg),
     }
     tokens = mx.array([[5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43]])
     outs = {}
@@ -252,99 +220,37 @@ def test_build_keywords_reach_every_cache_like_the_old_spelling():
         outs[name] = np.array(model(tokens, cache=caches))
         assert all(c.size() == 8 for c in caches)  # evicted
         assert all(c.is_trimmable() for c in caches)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="max_rewind=3"):
             caches[0].trim(4)  # beyond the depth: refused
         assert caches[1].trim(3) == 3
-    assert np.array_equal(outs["keywords"], outs["old"]) and np.array_equal(outs["builder"], outs["old"])
-    # quantized storage: keyword and old spelling build the same class with the same bits
+    assert np.array_equal(outs["keywords"], outs["builder"])
     q = KVCacheBuilder.for_model(model, cfg, kv_bits=4, kv_group_size=32)
-    with pytest.warns(DeprecationWarning):
-        old_q = dataclasses.replace(cfg, kv_bits=4, kv_group_size=32)
-    q_old = KVCacheBuilder.for_model(model, old_q)
-    assert [type(c) for c in q] == [type(c) for c in q_old] and type(q[0]).__name__ != "QFiltersKVCache"
-    assert {(c.bits, c.group_size) for c in q} == {(c.bits, c.group_size) for c in q_old} == {(4, 32)}
+    assert {type(c) for c in q} == {QuantizedQFiltersKVCache}
+    assert {(c.bits, c.group_size) for c in q} == {(4, 32)}
+    assert KVCacheBuilder(kv_bits=8).options_for(cfg, kv_bits=4) == BuildOptions(kv_bits=4)
     # install: fresh caches per make_cache() with the keywords
     KVCacheBuilder.install(model, cfg, backend="reference", max_rewind=3)
     fresh = model.make_cache()
     assert {c.backend.name for c in fresh} == {"reference"} and fresh[0].size() == 0
 
 
-# ------------------------------------------------ the cache constructors, as the old spelling
-D = 64
-CHUNKS = [12, 20, 1, 1, 1, 5, 1, 1, 1]
 
 
-def config(**kw):
-    """A key-SVD configuration (``kw``: more fields, or the deprecated spellings)."""
-    return KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=4, **KEYS,
-                         qfilters_calib_tokens=8, qfilters_sign=-1, **kw)
-
-
-def kv(seed, T=sum(CHUNKS)):
-    mx.random.seed(seed)
-    return mx.random.normal((1, 2, T, D)).astype(mx.float16), mx.random.normal((1, 2, T, D)).astype(mx.float16)
-
-
-def feed(caches, k, v, chunks=CHUNKS):
-    """Feed the same calls to every cache; yield each call's outputs (one per cache)."""
-    t = 0
-    for n in chunks:
-        yield [c.update_and_fetch(k[:, :, t : t + n], v[:, :, t : t + n]) for c in caches]
-        t += n
-
-
-def same(a, b) -> bool:
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a.dtype == b.dtype and a.shape == b.shape and bool(mx.array_equal(a, b))
-
-
-def test_kv_bits_config_is_refused_by_the_dense_class_and_picked_by_build_cache():
-    with pytest.deprecated_call():
-        cfg = config(kv_bits=8)
-    with pytest.raises(ValueError, match="QuantizedQFiltersKVCache.*build_cache"):
-        QFiltersKVCache(cfg)
-    q = build_cache(cfg, layer_idx=3)
-    assert type(q) is QuantizedQFiltersKVCache and (q.bits, q.group_size, q.layer_idx) == (8, 64, 3)
-    plain = build_cache(config())
-    assert type(plain) is QFiltersKVCache and not hasattr(plain, "bits")
-    with pytest.raises(TypeError, match="KVCacheConfig, got dict"):
-        build_cache({"kv_bits": 8})
-
-
-
-
-@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32)])
-def test_bits_given_to_the_constructor_equal_bits_from_the_config(bits, group_size):
-    k, v = kv(1)
-    given = QuantizedQFiltersKVCache(config(), bits=bits, group_size=group_size)
-    with pytest.deprecated_call():
-        from_config = QuantizedQFiltersKVCache(config(kv_bits=bits, kv_group_size=group_size))
-    for a, b in feed([given, from_config], k, v):
-        assert same(a, b)
-    assert (given.bits, given.group_size) == (bits, group_size) and given.evicted
-    sa, sb = given.state, from_config.state
-    assert all(same(x, y) for x, y in zip(sa[:6], sb[:6]) if x is not None)
-    saved = config_from_state(json.loads(sa[6])["config"])[1]  # saved: what the cache uses
-    assert (saved.kv_bits, saved.kv_group_size) == (bits, group_size)
-    loaded = QuantizedQFiltersKVCache.from_state(sa)
-    assert (loaded.bits, loaded.group_size) == (bits, group_size)
-
-
-def test_max_rewind_and_backend_given_to_the_constructor_equal_the_config_fields():
-    k, v = kv(2)
-    given = QFiltersKVCache(config(), backend="reference", max_rewind=4)
-    with pytest.deprecated_call():
-        from_config = QFiltersKVCache(config(qfilters_backend="reference", qfilters_max_rewind=4))
-    assert given.backend.name == "reference" and given.max_rewind == 4 and given.is_trimmable()
-    assert not QFiltersKVCache(config(), max_rewind=0).is_trimmable()
-    for a, b in feed([given, from_config], k, v):
-        assert same(a, b)
-    assert given.trim(3) == from_config.trim(3) == 3
-    np.testing.assert_array_equal(np.array(given.kept_positions()), np.array(from_config.kept_positions()))
-    with pytest.raises(ValueError, match="max_rewind=4"):  # the rewind depth in use
-        given.trim(10)
-    saved = config_from_state(json.loads(given.state[6])["config"])[1]
-    assert saved == BuildOptions(backend="reference", max_rewind=4)
-    loaded = QFiltersKVCache.from_state(given.state)
-    assert loaded.max_rewind == 4 and loaded.backend.name == "reference"
+@pytest.mark.parametrize("cls,kw,saved", [
+    (QFiltersKVCache, dict(backend="reference", max_rewind=4), BuildOptions("reference", 4)),
+    (QuantizedQFiltersKVCache, dict(bits=8, group_size=32), BuildOptions(kv_bits=8, kv_group_size=32)),
+])
+def test_constructor_options_are_saved_as_build_options_and_loaded_back(cls, kw, saved):
+    cfg = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=2, qfilters_recent=4, **KEYS,
+                        qfilters_calib_tokens=8)
+    mx.random.seed(2)
+    k = mx.random.normal((1, 2, 30, 64)).astype(mx.float16)
+    cache = cls(cfg, **kw)
+    cache.update_and_fetch(k, k)
+    meta = json.loads(cache.state[6])
+    assert meta["format"] == 2 and build_from_state(meta["build"]) == saved
+    loaded = cls.from_state(cache.state)
+    assert (loaded.backend.name, loaded.max_rewind) == (saved.backend if saved.backend != "auto"
+                                                         else cache.backend.name, saved.max_rewind)
+    assert getattr(loaded, "bits", None) == saved.kv_bits and loaded.config == cfg
+    assert type(build_cache(cfg, bits=saved.kv_bits)) is cls

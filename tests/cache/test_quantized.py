@@ -405,7 +405,7 @@ def test_an_empty_quantized_cache_saves_and_loads_and_a_bad_row_format_is_refuse
                             (dict(kv_group_size=0), r"^state: bad meta \(kv_group_size must be >= 1, got 0\)$"),
                             (dict(kv_group_size=1), r"^state: bad meta \(kv_group_size must be one of"),
                             (dict(kv_group_size=64), r"^state: stored rows .* do not match kv_format")):
-        bad = [*s[:6], json.dumps({**meta, "config": {**meta["config"], **change}}), *s[7:]]
+        bad = [*s[:6], json.dumps({**meta, "build": {**meta["build"], **change}}), *s[7:]]
         with pytest.raises(ValueError, match=message):
             QuantizedQFiltersKVCache.from_state(bad)
     for i in (0, 1):  # float rows of the stored width: not packed rows

@@ -15,6 +15,7 @@ and the prompt it reports must be only the new turn (the cached tokens were not 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import qfilters_mlx
@@ -87,6 +89,9 @@ def test_mlx_lm_generate_reads_a_cache_prompt_file_in_a_fresh_process(tmp_path, 
 
     caches = load_prompt_cache(str(cache_file))
     assert type(caches[0]).__name__ == "QFiltersKVCache" and caches[0].tokens_seen > caches[0].size() == 32
+    # the file is in the saved format 2: a format marker, the build options apart from the config
+    meta = json.loads("".join(chr(c) for c in mx.load(str(cache_file))["0.6"].tolist()))
+    assert meta["format"] == 2 and "qfilters_backend" not in meta["config"] and "backend" in meta["build"]
     monkeypatch.setattr(sys, "argv", ["mlx_lm.generate", "--prompt-cache-file", str(cache_file),
                                       "--prompt", QUESTION, "--max-tokens", MAX_TOKENS])
     mlx_lm_main()

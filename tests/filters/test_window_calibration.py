@@ -8,7 +8,8 @@ import pytest
 
 from helpers.oracle import np_keep
 from helpers.query_models import tiny_llama
-from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache
+from qfilters_mlx import KVCacheBuilder, KVCacheConfig, QFiltersKVCache, stored_windows
+from qfilters_mlx.config import with_stored_windows
 from qfilters_mlx.filters import calibration as cal
 from qfilters_mlx.filters.window_measures import captured_mass, output_error, sample_times
 from qfilters_mlx.filters.windows import (MEASURED_RULES, RULES, calibrate_windows, load_windows, window_grid,
@@ -107,7 +108,7 @@ def test_output_error_equals_the_selection_rule_written_out():
     np.testing.assert_allclose(got, want, rtol=1e-9)
 
 
-def test_files_with_and_without_windows_load(tmp_path):
+def test_files_with_and_without_windows_load(tmp_path, monkeypatch):
     model = tiny_llama()
     filters = cal.calibrate_filters(model, [list(range(60))], samples=50)
     old = str(tmp_path / "old.safetensors")
@@ -126,14 +127,24 @@ def test_files_with_and_without_windows_load(tmp_path):
         load_windows(new, 64, 4)
     with pytest.raises(ValueError, match="n_sink"):
         load_windows(new, 16, 2)
+    # the configuration reads no file: the windows are read where the caches are built, once
     cfg = KVCacheConfig(qfilters_filters=new, qfilters_budget=16, qfilters_recent="calibrated")
-    assert cfg.qfilters_recent == ((0, 5, 12), (3, 3, 12))
-    assert cfg.layer_recent(1) == (3, 3, 12)
+    assert cfg.qfilters_recent == "calibrated"
+    with pytest.raises(ValueError, match="read when KVCacheBuilder"):
+        QFiltersKVCache(cfg, filters=mx.zeros((3, 16)))
+    assert with_stored_windows(cfg).qfilters_recent == ((0, 5, 12), (3, 3, 12))
+    assert with_stored_windows(cfg).layer_recent(1) == (3, 3, 12)
+    no_windows = KVCacheConfig(qfilters_filters=old, qfilters_budget=16, qfilters_recent="calibrated")
     with pytest.raises(ValueError, match="no per-head recent windows"):
-        KVCacheConfig(qfilters_filters=old, qfilters_budget=16, qfilters_recent="calibrated")
+        KVCacheBuilder.for_model(model, no_windows)
     with pytest.raises(ValueError, match="qfilters_filters"):
         KVCacheConfig(qfilters_budget=16, qfilters_recent="calibrated")
-    caches = KVCacheBuilder.for_model(model, cfg)
+    reads = []
+    monkeypatch.setattr(stored_windows, "load_windows",
+                        lambda *a, real=stored_windows.load_windows: reads.append(a) or real(*a))
+    KVCacheBuilder.install(model, cfg)
+    caches = [model.make_cache(), model.make_cache()][1]
+    assert reads == [(new, 16, 4)]  # once, for every later build
     assert [c.recent_window for c in caches] == [(0, 5, 12), (3, 3, 12)]
 
 

@@ -14,12 +14,13 @@ from qfilters_mlx.config import KVCacheConfig
 VOCAB = 96
 
 
-def tiny_llama(seed: int = 0, vocab_size: int = VOCAB):
-    """A 2-layer float32 llama with random weights (head_dim 16, 2 KV heads), scaled by 3
-    so that its greedy tokens vary (at mlx's default init they repeat one token)."""
+def tiny_llama(seed: int = 0, vocab_size: int = VOCAB, head_dim: int = 16, intermediate_size: int = 128):
+    """A 2-layer float32 llama with random weights (head_dim 16 by default, 2 KV heads), scaled
+    by 3 so that its greedy tokens vary (at mlx's default init they repeat one token)."""
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-5, vocab_size=vocab_size, head_dim=16, tie_word_embeddings=True)
+                           intermediate_size=intermediate_size, num_attention_heads=4,
+                           num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab_size,
+                           head_dim=head_dim, tie_word_embeddings=True)
     mx.random.seed(seed)
     model = llama.Model(args)
     model.update(tree_map(lambda p: p * 3, model.parameters()))

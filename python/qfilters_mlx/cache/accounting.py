@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from qfilters_mlx.cache.rows import Rows
+
 __all__ = ["FILTER_BYTES_PER_ELEMENT", "arrays_nbytes", "cache_nbytes", "compression_ratio",
            "full_seq_bytes", "journal_nbytes", "kept_kv_bytes", "kv_bytes", "method_bytes",
            "qfilters_kept_bytes", "shrink_to_fit"]
@@ -101,14 +103,14 @@ def shrink_to_fit(cache, journal_rows: int | None = None) -> None:
             return tuple(fit(x, cut) for x in a)
         return mx.contiguous(a[:, :, :rows] if cut else a)
 
-    if cache.keys is not None:
-        cache._set_rows(tuple(fit(a) for a in cache._rows()))
+    if cache.rows.keys is not None:
+        cache.rows = Rows(*(fit(a) for a in cache.rows))
     cache.filter, cache._queries = fit(cache.filter, False), fit(cache._queries, False)
     cache._victim_rows, cache._free = fit(cache._victim_rows, False), fit(cache._free, False)
     cache._journal.map_arrays(mx.contiguous)
     cache.storage.map_arrays(mx.contiguous)
     cache._last_kv = None
-    held = (*cache._rows(), cache.filter, cache._queries, cache._victim_rows, cache._free)
+    held = (*cache.rows, cache.filter, cache._queries, cache._victim_rows, cache._free)
     mx.eval([a for a in held if a is not None] + cache._journal.arrays() + cache.storage.arrays())
 
 

@@ -9,7 +9,7 @@ state, in row order, 7 entries each, 8 for quantized rows; see
 
 from __future__ import annotations
 
-import json
+from qfilters_mlx.cache.persistence import read_meta
 
 __all__ = ["BatchStorageMixin"]
 
@@ -72,13 +72,14 @@ class BatchStorageMixin:
 
 def _row_class(meta: str) -> tuple:
     """``(class, state entries)`` of a saved row from its meta: quantized storage (8 entries)
-    when its config has ``kv_bits``, else 7 (classes resolved in mlx-lm's cache module, where
+    when its build options have ``kv_bits``, else 7 (the meta read as the row's loader reads
+    it, :func:`~qfilters_mlx.cache.persistence.read_meta`; classes resolved in mlx-lm's cache module, where
     ``qfilters_mlx.cache.kv_cache`` registers both; imported here, not at module level: the
     startup hook registers our classes while ``mlx_lm.models.cache`` is first imported, which
     would re-enter this module half-initialized)."""
     try:
-        quantized = json.loads(meta)["config"].get("kv_bits") is not None
-    except (TypeError, ValueError, KeyError) as err:
+        quantized = read_meta(meta)["build"].get("kv_bits") is not None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise ValueError(f"state: bad row meta ({err})") from err
     import mlx_lm.models.cache as mlx_cache
 

@@ -14,9 +14,8 @@ import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
-from qfilters_mlx.config import (BuildOptions, KVCacheConfig, given_build_options, merge_options,
-                                 per_layer_table)
-from qfilters_mlx.config.deprecated import OLD_BUILD_NAMES
+from qfilters_mlx.config import (BuildOptions, KVCacheConfig, merge_options, per_layer_table,
+                                 with_stored_windows)
 from qfilters_mlx.model_info import CacheSlot, default_caches, probe_layout, replace_at, walk
 from qfilters_mlx.scorers import FullScorer
 
@@ -136,9 +135,7 @@ class KVCacheBuilder:
     ``KVCacheBuilder(backend=None, max_rewind=None, kv_bits=None, kv_group_size=None)`` holds
     build options (:class:`qfilters_mlx.config.BuildOptions`: kernel backend, rewind depth,
     quantized K/V storage) for its :meth:`for_model` and :meth:`install`, which take the same
-    keywords (a keyword given there wins over the builder's). ``None`` takes the value the
-    configuration carries from its deprecated spelling (``qfilters_backend=`` ...), else the
-    default; a keyword that contradicts such a value raises ``ValueError`` naming both. Called
+    keywords (a keyword given there wins over the builder's; ``None``: the default). Called
     on the class, ``KVCacheBuilder.for_model(...)`` uses a builder without options.
 
     Raises:
@@ -149,7 +146,7 @@ class KVCacheBuilder:
                  kv_bits: int | None = None, kv_group_size: int | None = None):
         self.backend, self.max_rewind = backend, max_rewind
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        merge_options(None, self._given(), OLD_BUILD_NAMES)  # checks the given ones now
+        merge_options(self._given())  # checks the given ones now
 
     def _given(self) -> dict:
         return {"backend": self.backend, "max_rewind": self.max_rewind, "kv_bits": self.kv_bits,
@@ -163,17 +160,16 @@ class KVCacheBuilder:
                     max_rewind: int | None = None, kv_bits: int | None = None,
                     kv_group_size: int | None = None) -> BuildOptions:
         """The build options :meth:`for_model` uses for ``config`` (``None``: the default
-        configuration): each keyword not ``None``, else this builder's, else the value
-        ``config`` carries from a deprecated spelling, else the default.
+        configuration): each keyword not ``None``, else this builder's, else the default.
 
         Raises:
-            ValueError: a given option contradicts the configuration's deprecated value.
+            TypeError: ``config`` is not a ``KVCacheConfig``.
+            TypeError, ValueError: an option out of range (named).
         """
+        _checked(config)
         keywords = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
                         kv_group_size=kv_group_size)
-        given = {k: keywords[k] if keywords[k] is not None else v for k, v in self._given().items()}
-        carried = given_build_options(_checked(config))  # (from its deprecated spelling)
-        return merge_options(carried, given, OLD_BUILD_NAMES)
+        return merge_options(keywords, self._given())
 
     @_BuilderMethod
     def for_model(self, model, config: KVCacheConfig | None = None, *, tokenizer=None,
@@ -227,8 +223,7 @@ class KVCacheBuilder:
 
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``; a build option of the wrong type.
-            ValueError: a build option out of range or contradicting the configuration's
-                deprecated value (both named); layers use multi-head latent attention (MLA, named with
+            ValueError: a build option out of range (named); layers use multi-head latent attention (MLA, named with
                 the layers); no layer has a plain attention cache; ``config.head_dim``
                 differs from a layer's key width (both numbers named); the model
                 uses its caches beyond mlx-lm's cache protocol; the filters
@@ -244,6 +239,7 @@ class KVCacheBuilder:
     def _prepare(self, model, config, tokenizer, model_path, keywords):
         """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
         options = self.options_for(config, **keywords)
+        config = with_stored_windows(config)  # (recent="calibrated": the file read once, here)
         from qfilters_mlx.sharding import check_shards, shard_info
 
         check_shards(model)  # a tensor-parallel rank holds whole KV heads

@@ -127,6 +127,6 @@ def observe_queries(cache, queries: mx.array) -> None:
     cache._queries = first_queries(cache._queries, queries, c, cache.offset)
     if cache._queries is not None and cache._queries.shape[2] >= c:
         cache._calibrate()
-        if cache._n > cache._budget_now():
+        if cache._n > cache.limits.budget:
             cache._evict()
         mx.async_eval(cache.positions, cache.scores)

@@ -4,9 +4,10 @@ This module holds the rule's pure parts (:func:`keep_count`, :func:`check_target
 :func:`compress_caches`, and the cache's side as functions of one
 :class:`~qfilters_mlx.cache.kv_cache.QFiltersKVCache` (:func:`compress`,
 :func:`check_compress`, the ``prompt_end`` trigger :func:`before_call`,
-:func:`grown_exact`); the limits each call evicts to stay on the cache's hot path
-(``QFiltersKVCache._limits_now``). Like the cache's other component modules, these
-functions read and write the cache's own (underscore) state.
+:func:`grown_exact`); the limits each call evicts to are resolved here once, at the compression
+(``QFiltersKVCache.limits``, :func:`~qfilters_mlx.cache.rows.resolve_limits`), and the
+compression evicts with the streaming eviction's routine (``QFiltersKVCache._evict``). Like
+the cache's other component modules, these functions read and write the cache's own state.
 
 In the streaming mode (``mode=Streaming()``, the default) a cache evicts down to a fixed budget
 after every call, through the question and the answer. In the compress-once mode (``mode=CompressOnce(ratio, growth, at)``)
@@ -47,6 +48,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from qfilters_mlx.cache.rows import resolve_limits, window
+
 __all__ = ["before_call", "check_compress", "check_target", "compress", "compress_caches",
            "grown_exact", "keep_count"]
 
@@ -76,7 +79,7 @@ def before_call(cache, tokens: int) -> None:
     single-token call after a multi-token one compresses ``cache`` (compress-once mode with
     ``at="prompt_end"``, not compressed yet; otherwise nothing)."""
     c = cache.config
-    if not c.compress_once or cache._compressed is not None or c.mode.at != "prompt_end":
+    if cache._compressed is not None or not c.compress_once or c.mode.at != "prompt_end":
         return
     if tokens > 1:
         cache._saw_chunk = True
@@ -124,22 +127,14 @@ def compress(cache, ratio: float | None = None, budget: int | None = None) -> in
         ratio = c.mode.ratio
         budget = c.qfilters_budget if ratio is None else None
     cache._to_temporal()
+    cache._journal.clear()  # rewinds cannot cross the compression
     n = cache._n
     keep = keep_count(n, ratio, budget)
     if keep < n:
-        sinks, recent = cache._window(keep)
-        live = tuple(a[:, :, :n] for a in cache._rows())
-        kept, k, v = cache.backend.select_compact(live[2], live[0], live[1], keep, sinks, recent)
-        cache.scores = mx.take_along_axis(live[2], kept, axis=2)
-        cache.positions = mx.take_along_axis(live[3], kept, axis=2)
-        cache.keys, cache.values = k, v
-        cache._n = keep
-        cache.evicted = True
-        cache._queries = None
-        cache.storage.evicted()
-        mx.async_eval(*cache._rows())
+        cache._evict(keep, *window(c, cache.scorer.ranks, keep))  # (the streaming eviction's routine)
+        mx.async_eval(*cache.rows)
     cache._compressed = (cache._n, cache.offset)
-    cache._journal.clear()  # rewinds cannot cross the compression
+    cache.limits = resolve_limits(c, cache.recent_window, cache.scorer.ranks, cache._n)
     return cache._n
 
 

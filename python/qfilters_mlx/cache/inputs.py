@@ -59,10 +59,11 @@ def check_update(cache, keys, values) -> None:
     if not isinstance(window, int) and len(window) != keys.shape[1]:
         raise ValueError(f"layer {cache.layer_idx}: qfilters_recent has {len(window)} per-head "
                          f"windows, the keys have H_kv = {keys.shape[1]} heads")
-    hd = cache.config.head_dim
-    if hd is not None and keys.shape[3] != hd:
-        raise ValueError(f"keys head_dim {keys.shape[3]} does not match config.head_dim {hd}")
-    if cache.keys is not None:
+    if cache.keys is None:  # (the first call; later ones are checked against the stored rows)
+        hd = cache.config.head_dim
+        if hd is not None and keys.shape[3] != hd:
+            raise ValueError(f"keys head_dim {keys.shape[3]} does not match config.head_dim {hd}")
+    else:
         B, H, D, Dv, dtype = cache.storage.layout(cache.keys, cache.values)
         if (keys.shape[0], keys.shape[1], keys.shape[3]) != (B, H, D):
             raise ValueError(

@@ -30,8 +30,15 @@ the storage (:class:`~qfilters_mlx.cache.dense.DenseRows`: as given); the compre
 trigger runs only in that mode, the journal records only when rewinds are on. The cache
 knows no method name.
 
+The cache's state has a shape (:mod:`.rows`): the live rows are one value, ``rows``
+(:class:`~qfilters_mlx.cache.rows.Rows`: keys, values, scores, positions), that the components
+take and return; what an eviction keeps is ``limits`` (budget, sinks, recent window, mode),
+resolved from the configuration at setup, load and compression, not on every call; the
+streaming eviction and the compression run the one routine ``_evict``
+(:func:`.rows.evict`).
+
 Off that path, named calls into component modules that read and write the cache's own
-(underscore) state, as nothing else does: :mod:`.rewind` (``trim``, ``is_trimmable``),
+state, as nothing else does: :mod:`.rewind` (``trim``, ``is_trimmable``),
 :mod:`.compression` (``compress``), :mod:`.calibration` (online filters), :mod:`.accounting`
 (bytes, ``shrink_to_fit``), :mod:`.persistence` (``state``, copies), :mod:`.attention` (the
 mask, ``keys_and_values``), :mod:`.quantized` (the sibling's storage).
@@ -40,6 +47,7 @@ mask, ``keys_and_values``), :mod:`.quantized` (the sibling's storage).
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
@@ -56,8 +64,10 @@ from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, RewindJournal, StepRecord, dropped_rows
 from qfilters_mlx.cache.attention import keys_and_values, make_mask
 from qfilters_mlx.cache.quantized import QuantizedRows, check_quantization, quantized_copy
+from qfilters_mlx.cache.rows import EMPTY, Rows, evict, resolve_limits
 from qfilters_mlx.cache.speculative import guard_speculative
-from qfilters_mlx.config import BuildOptions, KVCacheConfig, check_int, given_build_options
+from qfilters_mlx.config import (DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_REWIND,
+                                 KVCacheConfig, check_int)
 from qfilters_mlx.config.build import AUTO
 from qfilters_mlx.scorers import insertion_scores, random_scores
 
@@ -65,10 +75,6 @@ __all__ = ["DenseRows", "QFiltersKVCache", "QuantizedQFiltersKVCache", "build_ca
            "insertion_scores", "random_scores"]
 
 _BIG = 2**62
-
-
-def _take(buf: mx.array, order: mx.array) -> mx.array:
-    return mx.take_along_axis(buf, order[..., None] if buf.ndim == 4 else order, axis=2)
 
 
 class QFiltersKVCache(_BaseCache):
@@ -91,9 +97,13 @@ class QFiltersKVCache(_BaseCache):
         offset: absolute number of tokens fed (the RoPE position of the next token).
         scorer: the method's :class:`~qfilters_mlx.scorers.Scorer` for this layer.
         filter: ``[H_kv, D]`` float32 Q-Filter once calibrated, else ``None``.
-        keys, values: ``[B, H_kv, capacity, D]`` buffers; rows ``[0, size())`` are live.
-        scores: ``[B, H_kv, capacity]`` float32 insertion scores; positions: int64 absolute
-            positions of the rows.
+        rows: the live rows, one :class:`~qfilters_mlx.cache.rows.Rows` value (``keys``,
+            ``values``: ``[B, H_kv, capacity, D]`` buffers, rows ``[0, size())`` live;
+            ``scores``: ``[B, H_kv, capacity]`` float32 insertion scores; ``positions``: int64
+            absolute positions); ``keys``, ``values``, ``scores``, ``positions`` read them.
+        limits: what the next eviction keeps (:class:`~qfilters_mlx.cache.rows.Limits`),
+            resolved at setup, load and compression.
+        recent_window: this layer's recent window (one int, or ``H_kv`` ints).
         backend: the resolved kernel backend; max_rewind: the rewind depth.
         storage: how rows are stored (:class:`DenseRows` here).
         keep_last_kv: keep what the last update returned for :meth:`keys_and_values`
@@ -103,8 +113,7 @@ class QFiltersKVCache(_BaseCache):
         TypeError: ``config`` is not a :class:`KVCacheConfig`.
         ValueError: the backend is not available; ``filters`` is ``None`` with
             ``qfilters_filter_source="calibrated"`` (the default: those filters come from
-            ``KVCacheBuilder.for_model``); a config asking for quantized storage;
-            ``max_rewind < 0``.
+            ``KVCacheBuilder.for_model``); ``max_rewind < 0``.
     """
 
     step = 256  # rows a buffer grows by (mlx-lm's KVCache: 256)
@@ -116,26 +125,17 @@ class QFiltersKVCache(_BaseCache):
         self._setup(config, layer_idx, filters, backend, max_rewind)
 
     def _setup(self, config, layer_idx, filters, backend, max_rewind, bits=None, group_size=None):
-        """``__init__`` of both classes: the only place that reads the build options a config
-        carries (its deprecated spellings, :func:`~qfilters_mlx.config.given_build_options`)."""
+        """``__init__`` of both classes (``None``: each option's default)."""
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        carried = given_build_options(config) or BuildOptions()
-        if not self.quantized and carried.kv_bits is not None:
-            raise ValueError(
-                f"the config asks for kv_bits={carried.kv_bits}: QFiltersKVCache stores K/V "
-                "unquantized; build a QuantizedQFiltersKVCache, or use build_cache(config, ...) or "
-                "KVCacheBuilder, which pick the class from kv_bits")
         filters = checked_filters(config, filters)
         guard_speculative()  # (mlx-lm's speculative decoding asks draft caches too)
-        backend = carried.backend if backend is None else backend
-        if max_rewind is None:
-            max_rewind = carried.max_rewind
+        backend = DEFAULT_BACKEND if backend is None else backend
+        max_rewind = DEFAULT_MAX_REWIND if max_rewind is None else max_rewind
         if max_rewind != AUTO:
             check_int("max_rewind", max_rewind, 0)
         if self.quantized:
-            bits = carried.kv_bits if bits is None else bits
-            group_size = carried.kv_group_size if group_size is None else group_size
+            group_size = DEFAULT_KV_GROUP_SIZE if group_size is None else group_size
             if bits is None:
                 raise ValueError(f"{type(self).__name__} needs bits= (2, 4 or 8), got None")
             check_quantization(bits, group_size, max_rewind, config.head_dim)
@@ -153,9 +153,9 @@ class QFiltersKVCache(_BaseCache):
         self.queries_observed = False  # set by observe_queries() while it is active
         self._queries_pending = False  # an update's queries have not arrived yet
         self._queries = None  # [B, H_q, <=calib, D] first calib_tokens queries
-        self.keys = self.values = None
-        self.scores = None  # [B, H, capacity] float32; meaningful once scoring is ready
-        self.positions = None  # [B, H, capacity] int64 absolute positions
+        self.rows = EMPTY
+        self.recent_window = config.layer_recent(self.layer_idx)  # (int, or H_kv per-head ints)
+        self.limits = resolve_limits(config, self.recent_window, self.scorer.ranks, None)
         self.filter = filters
         self.offset = 0
         self._n = 0  # live rows
@@ -175,11 +175,11 @@ class QFiltersKVCache(_BaseCache):
         """The method's registered name (``config.method``)."""
         return self.config.method
 
-    @property
-    def recent_window(self):
-        """This layer's recent window: one int, or ``H_kv`` ints (per head; see
-        :meth:`KVCacheConfig.layer_recent`)."""
-        return self.config.layer_recent(self.layer_idx)
+    # the live rows' arrays, read from the one value ``rows`` (:class:`~.rows.Rows`)
+    keys = property(attrgetter("rows.keys"), doc="``rows.keys``: ``[B, H_kv, capacity, D]``.")
+    values = property(attrgetter("rows.values"), doc="``rows.values``: ``[B, H_kv, capacity, D]``.")
+    scores = property(attrgetter("rows.scores"), doc="``rows.scores``: ``[B, H_kv, capacity]`` float32.")
+    positions = property(attrgetter("rows.positions"), doc="``rows.positions``: ``[B, H_kv, capacity]``.")
 
     @property
     def _needs_filter(self) -> bool:
@@ -192,18 +192,12 @@ class QFiltersKVCache(_BaseCache):
     @property
     def needs_queries(self) -> bool:
         """Whether the cache still waits for queries (query-based filter not estimated yet)."""
-        return self._calibrates_from_queries and self.filter is None
+        return self.filter is None and self._calibrates_from_queries  # (asks config only before)
 
     @property
     def scoring_ready(self) -> bool:
         """Whether new tokens can be scored (the filter exists, or none is needed)."""
         return not self._needs_filter or self.filter is not None
-
-    def _rows(self) -> tuple:
-        return self.keys, self.values, self.scores, self.positions
-
-    def _set_rows(self, rows: tuple) -> None:
-        self.keys, self.values, self.scores, self.positions = rows
 
     # ------------------------------------------------------------ cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -225,7 +219,7 @@ class QFiltersKVCache(_BaseCache):
         """
         check_update(self, keys, values)
         self._last_kv = None  # released before the buffers are written
-        if self.config.compress_once:  # the `prompt_end` trigger, before anything is stored
+        if self.limits.once:  # the `prompt_end` trigger, before anything is stored
             compression.before_call(self, keys.shape[2])
         out = self.storage.fetch(*self._update(keys, values))
         if self.keep_last_kv:
@@ -241,7 +235,7 @@ class QFiltersKVCache(_BaseCache):
         if self._journal.active:  # (rewinds on: the record that undoes this call)
             record = CallRecord(tokens=L, offset=self.offset, n=self._n, evicted=self.evicted,
                                 filter=self.filter, queries=self._queries,
-                                capacity=0 if self.keys is None else self.keys.shape[2])
+                                capacity=0 if self.rows.keys is None else self.rows.keys.shape[2])
             record.slots = self._leave_slots()
             self._journal.push(record)
         else:
@@ -251,13 +245,13 @@ class QFiltersKVCache(_BaseCache):
         if (not self.scoring_ready and not self._calibrates_from_queries
                 and self.offset >= self.config.qfilters_calib_tokens):
             self._calibrate()
-        n = self._n
-        out = self.keys[:, :, :n], self.values[:, :, :n]
-        if self.scorer.evicts and self.scoring_ready and n > self._budget_now():
+        n, r = self._n, self.rows
+        out = r.keys[:, :, :n], r.values[:, :, :n]
+        if self.scorer.evicts and self.scoring_ready and n > self.limits.budget:
             self._evict()
         # Positions (and scores before calibration) are read by no returned array:
         # schedule them so their graphs never grow across decode steps.
-        mx.async_eval(self.positions, self.scores)
+        mx.async_eval(self.rows.positions, self.rows.scores)
         return out
 
     def _append(self, keys, values) -> None:
@@ -272,19 +266,19 @@ class QFiltersKVCache(_BaseCache):
         new_scores = self._score(keys, pos) if self.scoring_ready else None  # full-precision keys
         hold = self._needs_filter and not self.evicted and not self.scoring_ready
         keys, values = self.storage.store(keys, values, n, hold)
-        if self.evicted and n + L > self.keys.shape[2] and not self._growing():
+        r = self.rows
+        if self.evicted and n + L > r.keys.shape[2] and not self._growing():
             # Steady state after eviction: exactly the rows needed, one copy of
             # the kept rows (the next eviction gathers them again anyway).
             cat = lambda buf, new: mx.concatenate([buf[:, :, :n], new], axis=2)  # noqa: E731
-            self.keys, self.values = cat(self.keys, keys), cat(self.values, values)
-            self.positions = cat(self.positions, pos)
-            self.scores = cat(self.scores, new_scores)
+            self.rows = Rows(cat(r.keys, keys), cat(r.values, values), cat(r.scores, new_scores),
+                             cat(r.positions, pos))
             self._n = n + L
             return
-        if self.keys is None or n + L > self.keys.shape[2]:
+        if r.keys is None or n + L > r.keys.shape[2]:
             step = self.step if self._compressed is None else self.compressed_step
             cap = step * math.ceil((n + L) / step)
-            if self.scorer.evicts and (budget := self._budget_now()) < math.inf:
+            if self.scorer.evicts and (budget := self.limits.budget) < math.inf:
                 cap = min(cap, max(n + L, budget + 1))  # never over budget + chunk (of n + L)
 
             def grow(buf, new_shape, dtype):
@@ -293,15 +287,15 @@ class QFiltersKVCache(_BaseCache):
                     return fresh
                 return mx.concatenate([buf[:, :, :n], fresh[:, :, n:]], axis=2)
 
-            self.keys = grow(self.keys, (B, H, cap, keys.shape[3]), keys.dtype)
-            self.values = grow(self.values, (B, H, cap, values.shape[3]), values.dtype)
-            self.scores = grow(self.scores, (B, H, cap), mx.float32)
-            self.positions = grow(self.positions, (B, H, cap), mx.int64)
-        self.keys[:, :, n : n + L] = keys
-        self.values[:, :, n : n + L] = values
-        self.positions[:, :, n : n + L] = pos
+            r = self.rows = Rows(grow(r.keys, (B, H, cap, keys.shape[3]), keys.dtype),
+                                 grow(r.values, (B, H, cap, values.shape[3]), values.dtype),
+                                 grow(r.scores, (B, H, cap), mx.float32),
+                                 grow(r.positions, (B, H, cap), mx.int64))
+        r.keys[:, :, n : n + L] = keys
+        r.values[:, :, n : n + L] = values
+        r.positions[:, :, n : n + L] = pos
         if new_scores is not None:
-            self.scores[:, :, n : n + L] = new_scores
+            r.scores[:, :, n : n + L] = new_scores
         self._n = n + L
 
     def _score(self, keys, positions):
@@ -312,25 +306,25 @@ class QFiltersKVCache(_BaseCache):
         query-based configs, queries; :func:`.calibration.estimate_filter`) and score all
         live rows. Called only before any eviction, when rows ``[0, calib_tokens)`` are
         the first ``calib_tokens`` tokens ever fed."""
-        n = self._n
-        keys = self.storage.full_keys(self.keys, n)  # full precision (quantized: held apart)
+        n, r = self._n, self.rows
+        keys = self.storage.full_keys(r.keys, n)  # full precision (quantized: held apart)
         self.filter = estimate_filter(self.config, keys, self._queries)
         # (queries are kept until the first eviction: trim may undo this)
-        self.scores[:, :, :n] = self._score(keys, self.positions[:, :, :n])
+        r.scores[:, :, :n] = self._score(keys, r.positions[:, :, :n])
         self.storage.calibrated(n, self.config.qfilters_calib_tokens)
 
-    def _evict(self) -> None:
+    def _evict(self, budget=None, n_sink=None, recent=None) -> None:
+        """Keep the rows an eviction to ``budget`` keeps (:func:`.rows.evict`; ``None``: the
+        :attr:`limits`): the streaming eviction after a call, and the compression
+        (:func:`.compression.compress`). Notes the dropped rows in this call's rewind record."""
+        if budget is None:
+            budget, n_sink, recent, _ = self.limits
         n = self._n
-        kept, k, v = self.backend.select_compact(
-            self.scores[:, :, :n], self.keys[:, :, :n], self.values[:, :, :n], *self._limits_now(),
-        )
+        kept, rows = evict(self.backend, self.rows, n, budget, n_sink, recent)
         record = self._journal.last() if self._journal.active else None
         if isinstance(record, CallRecord) and record.dropped is None:  # this call's record
-            live = (self.keys, self.values, self.scores, self.positions)
-            record.dropped = dropped_rows(kept, tuple(a[:, :, :n] for a in live))
-        self.scores = mx.take_along_axis(self.scores[:, :, :n], kept, axis=2)
-        self.positions = mx.take_along_axis(self.positions[:, :, :n], kept, axis=2)
-        self.keys, self.values = k, v
+            record.dropped = dropped_rows(kept, self.rows.head(n))
+        self.rows = rows
         self._n = kept.shape[2]
         self.evicted = True
         self._queries = None  # calibration is final (a rewind restores them from the journal)
@@ -350,50 +344,47 @@ class QFiltersKVCache(_BaseCache):
         slot (``backend.write_slot``, in place in the cpp backend), score it and pick
         the next slot to free (the scorer's ``decode_select``: for Q-Filters one
         primitive in the cpp backend)."""
-        _, n_sink, recent = self._limits_now()  # (compress-once growth limit)
+        _, n_sink, recent, _ = self.limits  # (compress-once: the growth limit's window)
         entering = self._free is None
+        r = self.rows
         record = None  # journaled only when rewinds are on (the default, depth 0, skips it)
         if self._journal.active:
             record = StepRecord(free=self._free, rows=self._victim_rows, n=self._n,
-                                scores=self.scores if entering else None,
-                                positions=self.positions if entering else None)
-        if self._free is None:  # enter slot mode: one spare row after the kept ones
+                                scores=r.scores if entering else None,
+                                positions=r.positions if entering else None)
+        if entering:  # enter slot mode: one spare row after the kept ones
             n = self._n
             spare = lambda buf: mx.concatenate([buf[:, :, :n], buf[:, :, :1]], axis=2)  # noqa: E731
-            self.keys, self.values = spare(self.keys), spare(self.values)
-            self.scores, self.positions = spare(self.scores), spare(self.positions)
-            B, H = self.keys.shape[:2]
+            r = Rows(*(spare(a) for a in r))
+            B, H = r.keys.shape[:2]
             self._free = mx.full((B, H), n, dtype=mx.int32)
         free, be = self._free, self.backend
         stored_k, stored_v = self.storage.store(keys, values)  # (packed when quantized)
-        self.keys = be.write_slot(self.keys, stored_k, free)
-        self.values = be.write_slot(self.values, stored_v, free)
-        self.scores, self.positions, self._free = self.scorer.decode_select(
-            be, self.scores, self.positions, keys, self.filter, free, self.offset, n_sink, recent)
+        k = be.write_slot(r.keys, stored_k, free)
+        v = be.write_slot(r.values, stored_v, free)
+        scores, positions, self._free = self.scorer.decode_select(
+            be, r.scores, r.positions, keys, self.filter, free, self.offset, n_sink, recent)
+        self.rows = Rows(k, v, scores, positions)
         self.offset += 1
         if record is None:
-            return self.keys, self.values
+            return k, v
         self._journal.push(record)
-        idx = self._free[:, :, None]
-        rows = tuple(_take(a, idx) for a in (self.keys, self.values, self.scores, self.positions))
-        self._victim_rows = rows
-        return mx.depends([self.keys], list(rows))[0], self.values
+        self._victim_rows = tuple(self.rows.take(self._free[:, :, None]))  # (a journal entry)
+        return mx.depends([k], list(self._victim_rows))[0], v
 
     def _slot_order(self) -> mx.array:
         """``[B, H, S-1]`` int32: the live slots in ascending position (free slot excluded)."""
-        S = self.keys.shape[2]
+        S = self.rows.keys.shape[2]
         slot = mx.arange(S, dtype=mx.int32)[None, None, :]
-        key = mx.where(slot == self._free[:, :, None], mx.array(_BIG, mx.int64), self.positions)
+        key = mx.where(slot == self._free[:, :, None], mx.array(_BIG, mx.int64), self.rows.positions)
         return mx.argsort(key, axis=2)[:, :, : S - 1].astype(mx.int32)
 
-    def _temporal(self) -> tuple:
-        """``(keys, values, scores, positions)``: the live rows in temporal order
-        (``[B, H, size(), ...]``; ``None`` while empty), leaving the layout as it is."""
-        arrays = (self.keys, self.values, self.scores, self.positions)
+    def _temporal(self) -> Rows:
+        """The live rows in temporal order (``[B, H, size(), ...]``; ``None`` while empty),
+        leaving the layout as it is."""
         if self._free is None:
-            return tuple(None if a is None else a[:, :, : self._n] for a in arrays)
-        order = self._slot_order()
-        return tuple(_take(a, order) for a in arrays)
+            return self.rows.head(self._n)
+        return self.rows.take(self._slot_order())
 
     def _leave_slots(self):
         """Back from slot mode to ``budget`` rows in temporal order (drops the free slot).
@@ -405,8 +396,7 @@ class QFiltersKVCache(_BaseCache):
             return None
         order = self._slot_order()
         layout = (order, self._free, self._victim_rows)
-        arrays = (self.keys, self.values, self.scores, self.positions)
-        self.keys, self.values, self.scores, self.positions = (_take(a, order) for a in arrays)
+        self.rows = self.rows.take(order)
         self._n = order.shape[2]
         self._free = None
         self._victim_rows = None
@@ -422,41 +412,16 @@ class QFiltersKVCache(_BaseCache):
 
     # ------------------------------------------------------------ compress once
     # (mode=CompressOnce(...): the rule, the trigger and `compress` are in .compression;
-    # the limits each call evicts to are here, on the hot path)
+    # the limits each call evicts to are `limits`, resolved there once)
     @property
     def compressed(self) -> bool:
         """Whether the cache has been compressed (compress-once mode)."""
         return self._compressed is not None
 
-    def _budget_now(self):
-        """Rows kept per (row, head) after a call: the streaming budget; in compress-once
-        mode ``inf`` before the compression and ``K + growth`` (or ``inf``) after it."""
-        c = self.config
-        if not c.compress_once:
-            return c.qfilters_budget
-        if self._compressed is None or c.mode.growth is None:
-            return math.inf
-        return max(1, self._compressed[0] + c.mode.growth)
-
-    def _window(self, budget: int) -> tuple[int, int]:
-        """``(n_sink, recent)`` at ``budget`` kept rows (cut to it, sinks first)."""
-        c = self.config
-        if not c.compress_once:
-            return c.qfilters_n_sink, self.recent_window  # (one int, or H_kv per-head windows)
-        sinks = min(c.qfilters_n_sink, budget)
-        if not self.scorer.ranks:
-            return sinks, budget - sinks
-        return sinks, min(c.qfilters_recent, budget - sinks)
-
-    def _limits_now(self) -> tuple[int, int, int]:
-        """``(budget, n_sink, recent)`` of the next eviction."""
-        b = self._budget_now()
-        return (b, *self._window(b))
-
     def _growing(self) -> bool:
         """Whether single-token calls append (compress-once mode below its limit)
         instead of running slot-mode eviction steps."""
-        return self.config.compress_once and self._n < self._budget_now()
+        return self.limits.once and self._n < self.limits.budget
 
     # compress-once (.compression), online calibration (.calibration)
     prepare_call = compression.before_call
@@ -481,7 +446,7 @@ class QFiltersKVCache(_BaseCache):
     def kept_positions(self) -> mx.array:
         """``[B, H_kv, size()]`` int64 absolute positions of the stored tokens, ascending."""
         self._to_temporal()
-        return self.positions[:, :, : self._n]
+        return self.rows.positions[:, :, : self._n]
 
     @classmethod
     def merge(cls, caches):
@@ -540,14 +505,14 @@ class QuantizedQFiltersKVCache(QFiltersKVCache):
         config, layer_idx, filters, backend, max_rewind: as :class:`QFiltersKVCache`
             (``max_rewind`` must be 0: a quantized cache cannot rewind after an eviction).
         bits: 2, 4 or 8; group_size: 32, 64 or 128 (the head dimension must be a multiple;
-            default 64). ``None``: what a config spelled the deprecated way carries.
+            default 64).
 
     Attributes:
         bits, group_size: the quantization (mlx-lm's attention reads them).
 
     Raises:
-        ValueError: no ``bits`` (neither given nor in the config), or values
-            ``KVCacheConfig`` would refuse for ``kv_bits`` / ``kv_group_size``.
+        ValueError: no ``bits``, or values the build options refuse for ``kv_bits`` /
+            ``kv_group_size`` (:class:`~qfilters_mlx.config.BuildOptions`).
     """
 
     quantized = True
@@ -578,17 +543,15 @@ def build_cache(config: KVCacheConfig, layer_idx: int = 0, filters: mx.array | N
                 bits: int | None = None, group_size: int | None = None, backend: str | None = None,
                 max_rewind: int | None = None) -> QFiltersKVCache:
     """One layer's eviction cache of the class the storage asks for: a
-    :class:`QuantizedQFiltersKVCache` when ``bits`` (or the deprecated ``kv_bits`` a config carries)
-    is set, else a
-    :class:`QFiltersKVCache` (arguments as theirs; ``KVCacheBuilder`` builds with it).
+    :class:`QuantizedQFiltersKVCache` when ``bits`` is set, else a :class:`QFiltersKVCache`
+    (arguments as theirs; ``KVCacheBuilder`` builds with it).
 
     Raises:
         TypeError, ValueError: as the class's constructor.
     """
     if not isinstance(config, KVCacheConfig):
         raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-    carried = given_build_options(config)
-    if bits is not None or (carried is not None and carried.kv_bits is not None):
+    if bits is not None:
         return QuantizedQFiltersKVCache(config, layer_idx, filters, bits=bits, group_size=group_size,
                                         backend=backend, max_rewind=max_rewind)
     return QFiltersKVCache(config, layer_idx, filters, backend=backend, max_rewind=max_rewind)

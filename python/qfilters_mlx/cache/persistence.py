@@ -11,12 +11,14 @@ mlx-lm's ``save_prompt_cache`` stores (:func:`encode`) and back, checking everyt
 * ``state`` = ``(keys, values, scores, positions, filter, queries, meta)`` plus, for
   ``QuantizedQFiltersKVCache``, the entries its storage adds
   (:meth:`~qfilters_mlx.cache.quantized.QuantizedRows.saved`). The rows are in temporal
-  order; ``meta`` is a JSON string: the configuration (with the build options the cache
-  uses: ``qfilters_backend``, ``qfilters_max_rewind``, ``kv_bits``, ``kv_group_size``),
-  the scalar attributes and the slot layout. A cache saved in the middle of a decode
-  (slot mode) reloads in the same slot layout, so it continues bit for bit like an
-  uninterrupted run. The rewind journal is not saved: a reloaded cache can rewind only
-  what it has seen since (a deeper ``trim`` raises).
+  order; ``meta`` is a JSON string: ``"format": 2``, the configuration (``"config"``) and
+  the build options the cache uses (``"build"``: backend, max_rewind, kv_bits,
+  kv_group_size; :mod:`qfilters_mlx.config.state`), the scalar attributes and the slot
+  layout. Files of format 1 (0.1, 0.2: no ``"format"``) are read through
+  :func:`~qfilters_mlx.config.state.from_format1`; another format raises ``ValueError``.
+  A cache saved in the middle of a decode (slot mode) reloads in the same slot layout, so
+  it continues bit for bit like an uninterrupted run. The rewind journal is not saved: a
+  reloaded cache can rewind only what it has seen since (a deeper ``trim`` raises).
 * copies: the resolved kernel backend (a table of compiled functions, not picklable) is
   stored by name and resolved again; everything else (arrays, journal, storage) is
   copied, so copies are independent.
@@ -35,12 +37,14 @@ from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import RewindJournal, to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.cache.rewind import depth_now
+from qfilters_mlx.cache.rows import Rows, resolve_limits
 from qfilters_mlx.cache.speculative import guard_speculative
-from qfilters_mlx.config import KVCacheConfig, config_from_state, config_to_state
-from qfilters_mlx.config.deprecated import BUILD_FIELDS
+from qfilters_mlx.config import (DEFAULT_KV_GROUP_SIZE, FORMAT, FORMATS, BuildOptions,
+                                 KVCacheConfig, build_from_state, build_to_state,
+                                 config_from_state, config_to_state, from_format1)
 
-__all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle", "restore", "saved_state",
-           "snapshot"]
+__all__ = ["Snapshot", "decode", "encode", "for_pickle", "from_pickle", "read_meta", "restore",
+           "saved_state", "snapshot"]
 
 _ENTRIES = 7  # (keys, values, scores, positions, filter, queries, meta)
 
@@ -53,13 +57,13 @@ class Snapshot:
     input, in the stored layout (slot layout when ``free`` is set) in :func:`decode`'s
     output; ``None`` each while empty. ``slot_order``: ``[B, H_kv, S-1]`` int32 slot of
     each temporal row, with ``free [B, H_kv]`` the free slot (slot mode), else ``None``.
-    ``build``: ``(backend name, max_rewind, bits, group_size)``. ``storage``: the quantized
-    storage (``None`` for dense rows). ``compressed``: ``(rows kept, offset)`` of a
+    ``build``: the :class:`BuildOptions` the cache uses (the backend by the name asked for).
+    ``storage``: the quantized storage (``None`` for dense rows). ``compressed``: ``(rows kept, offset)`` of a
     compress-once compression, or ``None``.
     """
 
     config: KVCacheConfig
-    build: tuple
+    build: BuildOptions
     layer_idx: int
     offset: int
     evicted: bool
@@ -77,12 +81,13 @@ class Snapshot:
 
 def encode(s: Snapshot) -> tuple:
     """The ``state`` tuple of a snapshot (rows in temporal order)."""
-    cfg = config_to_state(s.config)  # (the build options the config carries, replaced below)
+    cfg = config_to_state(s.config)
     if not isinstance(cfg["qfilters_filters"], str):
         cfg["qfilters_filters"] = None  # the layer's slice is saved as `filter`
-    cfg.update({k: v for k, v in zip(BUILD_FIELDS, s.build) if v is not None})  # (None: the config's)
     meta = {
+        "format": FORMAT,
         "config": cfg,
+        "build": build_to_state(s.build),
         "filter_fixed": s.filter_fixed,
         "offset": str(s.offset),
         "layer_idx": s.layer_idx,
@@ -103,13 +108,34 @@ def encode(s: Snapshot) -> tuple:
     return (*s.rows, s.filter, s.queries, json.dumps(meta), *extra)
 
 
-def _config(fields: dict) -> tuple:
-    """The saved configuration and build options (a ``qfilters_filters`` path that no longer
-    exists is dropped: the layer's slice is the saved ``filter``)."""
+def _config(fields: dict) -> KVCacheConfig:
+    """The saved configuration (a ``qfilters_filters`` path that no longer exists is dropped:
+    the layer's slice is the saved ``filter``)."""
     path = fields.get("qfilters_filters")
     if isinstance(path, str) and not os.path.isfile(path):
         fields["qfilters_filters"] = None  # moved since saving
     return config_from_state(fields)
+
+
+def read_meta(text) -> dict:
+    """The JSON meta string ``text`` of a saved state, parsed, in format 2: as it is, or
+    translated from format 1 (no ``"format"``) by :func:`~qfilters_mlx.config.from_format1`.
+
+    Raises:
+        ValueError: not a JSON object; another format (a file of a later version), naming it.
+    """
+    try:
+        meta = json.loads(text)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"state: bad meta ({err})") from err
+    fmt = meta.get("format", 1)  # (format 1 has no marker)
+    if isinstance(fmt, bool) or fmt not in FORMATS:
+        raise ValueError(f"state: saved cache format {fmt!r} is not one this qfilters-mlx reads "
+                         f"(formats {' and '.join(map(str, FORMATS))}); a later version wrote it: "
+                         "load it with that version, or build the prompt cache again")
+    return from_format1(meta) if fmt == 1 else meta
 
 
 def decode(v, quantized: bool, cls_name: str) -> Snapshot:
@@ -120,7 +146,8 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
             cls_name: its name, for the messages.
 
     Raises:
-        ValueError: not a tuple of 7 entries (8 for a quantized class), bad meta, rows whose
+        ValueError: not a tuple of 7 entries (8 for a quantized class), bad meta, a saved
+            format other than 1 and 2 (named), rows whose
             shapes disagree with each other or the offset, a slot layout that does not match
             the rows, a state saved by the other cache class (``kv_bits`` set or not), or
             ``evicted`` for a method that never evicts (``"full"``).
@@ -132,18 +159,11 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
                              "fp_keys) for a QuantizedQFiltersKVCache")
         raise ValueError("state must be (keys, values, scores, positions, filter, queries, meta)")
     keys, values, scores, positions, filt, queries, meta = v[:_ENTRIES]
-    try:
-        meta = json.loads(meta)
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"state: bad meta ({err})") from err
+    meta = read_meta(meta)
     storage = QuantizedRows.loaded(meta, tuple(v[_ENTRIES:]), keys, values) if quantized else None
     try:
-        fields = dict(meta["config"])
-        config, options = _config(fields)
-        config = config.with_build_options(options)  # (a cache built from it builds the same)
-        build = (options.backend, options.max_rewind, options.kv_bits, options.kv_group_size)
+        config = _config(dict(meta["config"]))
+        build = build_from_state(meta["build"])
         scalars = (int(meta["layer_idx"]), int(meta["offset"]), bool(meta["evicted"]),
                    bool(meta["filter_fixed"]))
         compressed = meta.get("compressed")
@@ -169,13 +189,13 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
     if slots is not None and (keys is None or order.shape != keys.shape[:3]
                               or free.shape != keys.shape[:2]):
         raise ValueError("state: meta 'slots' does not match the rows")
-    if (build[2] is not None) != quantized:
-        raise ValueError(f"state: kv_bits={build[2]} was saved by another cache class than "
+    if (build.kv_bits is not None) != quantized:
+        raise ValueError(f"state: kv_bits={build.kv_bits} was saved by another cache class than "
                          f"{cls_name} (QuantizedQFiltersKVCache stores kv_bits caches)")
     if not config.scorer.evicts and scalars[2]:
         raise ValueError(f"state: meta says evicted=True for method={config.method!r}, which "
                          "never evicts")
-    get_backend(build[0])  # raises when the saved backend is not available here
+    get_backend(build.backend)  # raises when the saved backend is not available here
     snap = Snapshot(config, build, *scalars, rows, filt, queries, compressed, saw_chunk, keep_last_kv,
                     storage=storage)
     if slots is not None:
@@ -186,8 +206,8 @@ def decode(v, quantized: bool, cls_name: str) -> Snapshot:
 def snapshot(cache) -> Snapshot:
     """What ``cache.state`` saves: its rows in temporal order (the layout left as it is),
     filter, kept queries, build options and scalars."""
-    build = (cache._backend_name, cache.max_rewind, getattr(cache, "bits", None),
-             getattr(cache, "group_size", None))
+    build = BuildOptions(cache._backend_name, cache.max_rewind, getattr(cache, "bits", None),
+                         getattr(cache, "group_size", DEFAULT_KV_GROUP_SIZE))
     return Snapshot(
         cache.config, build, cache.layer_idx, cache.offset, cache.evicted, cache.filter_fixed,
         cache._temporal(), cache.filter, cache._queries, cache._compressed, cache._saw_chunk,
@@ -210,7 +230,8 @@ def restore(cache, v) -> None:
     changes when it raises). The rewind journal starts empty."""
     s = decode(v, cache.quantized, type(cache).__name__)
     guard_speculative()  # (a loaded cache may be a draft model's)
-    backend_name, max_rewind, bits, group_size = s.build
+    backend_name, max_rewind, bits, group_size = (s.build.backend, s.build.max_rewind,
+                                                  s.build.kv_bits, s.build.kv_group_size)
     cache.config, cache.layer_idx = s.config, s.layer_idx
     cache.scorer = s.config.scorer.from_config(s.config, s.layer_idx)
     cache.backend, cache._backend_name = get_backend(backend_name), backend_name
@@ -222,12 +243,15 @@ def restore(cache, v) -> None:
     cache.offset, cache.evicted, cache.filter_fixed = s.offset, s.evicted, s.filter_fixed
     cache.queries_observed = cache._queries_pending = False
     cache._queries = s.queries
-    cache._set_rows(s.rows)
+    cache.rows = Rows(*s.rows)
     cache._n = 0 if s.rows[0] is None else s.rows[0].shape[2] - (s.free is not None)
     cache._free, cache._victim_rows = s.free, None
     cache.filter = s.filter
     cache._journal = RewindJournal(depth_now(cache))
     cache._compressed, cache._saw_chunk = s.compressed, s.saw_chunk
+    cache.recent_window = s.config.layer_recent(s.layer_idx)
+    cache.limits = resolve_limits(s.config, cache.recent_window, cache.scorer.ranks,
+                                  None if s.compressed is None else s.compressed[0])
     cache.keep_last_kv, cache._last_kv = s.keep_last_kv, None
 
 

@@ -150,7 +150,7 @@ class QuantizedRows:
 
     @staticmethod
     def loaded(meta: dict, extra: tuple, keys, values) -> "QuantizedRows":
-        """The storage a saved state describes (``meta``: the parsed JSON meta; ``extra``: the
+        """The storage a saved state describes (``meta``: the parsed JSON meta, format 2; ``extra``: the
         entries after it; ``keys``/``values``: the stored rows).
 
         Raises:
@@ -159,7 +159,7 @@ class QuantizedRows:
                 rows that do not match the format at those values.
         """
         try:
-            fmt, cfg = meta.get("kv_format"), meta["config"]
+            fmt, build = meta.get("kv_format"), meta["build"]
             if fmt is not None:
                 fmt = (int(fmt[0]), int(fmt[1]), str(fmt[2]))
                 if fmt[2] not in _DTYPES:
@@ -168,10 +168,10 @@ class QuantizedRows:
             raise ValueError(f"state: bad meta ({err})") from err
         if (keys is None) != (fmt is None):
             raise ValueError("state: meta 'kv_format' must be given exactly when rows are")
-        bits, g = cfg.get("kv_bits"), cfg.get("kv_group_size")
+        bits, g = build.get("kv_bits"), build.get("kv_group_size")
         if keys is not None:
             if bits is None:
-                raise ValueError("state: stored rows without kv_bits in the meta's config")
+                raise ValueError("state: stored rows without kv_bits in the meta's build options")
             try:
                 check_quantization(bits, g, 0, None)
             except (TypeError, ValueError) as err:
@@ -205,11 +205,10 @@ class QuantizedRows:
 
 
 def check_quantization(bits, group_size, max_rewind, head_dim) -> None:
-    """``kv_bits`` / ``kv_group_size`` checks of ``KVCacheConfig``, for the values a
-    quantized cache is built with (``ValueError`` naming the value)."""
-    check_build("auto", max_rewind, bits, group_size, head_dim,
-                names={"backend": "backend", "max_rewind": "max_rewind", "kv_bits": "kv_bits",
-                       "kv_group_size": "kv_group_size"})
+    """The ``kv_bits`` / ``kv_group_size`` checks of the build options
+    (:func:`~qfilters_mlx.config.build.check_build`), for the values a quantized cache is built
+    with (``ValueError`` naming the value)."""
+    check_build("auto", max_rewind, bits, group_size, head_dim)
 
 
 def quantized_copy(cache, cls, bits: int, group_size: int):
@@ -240,7 +239,7 @@ def quantized_copy(cache, cls, bits: int, group_size: int):
     new.__dict__.update(cache.__dict__)
     new.config, new.storage, new.bits, new.group_size = config, storage, bits, group_size
     new._journal = RewindJournal(0)
-    if cache.keys is not None:
-        new.keys, new.values = keys, values
+    if cache.rows.keys is not None:
+        new.rows = cache.rows._replace(keys=keys, values=values)
     return new
 

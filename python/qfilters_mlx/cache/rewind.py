@@ -19,6 +19,7 @@ import mlx.core as mx
 from qfilters_mlx.cache.compression import grown_exact
 from qfilters_mlx.cache.journal import (LayoutRecord, RewindJournal, StepRecord, call_head_rows,
                                         undo_call_rows, undo_layout, undo_step)
+from qfilters_mlx.cache.rows import Rows
 from qfilters_mlx.config.build import AUTO, AUTO_REWIND
 
 __all__ = ["depth_now", "is_trimmable", "rewindable_tokens", "trim", "trim_count"]
@@ -117,16 +118,16 @@ def trim(cache, n: int) -> int:
     while left > 0:
         rec = cache._journal.pop()
         if isinstance(rec, StepRecord):
-            rows, cache._free, cache._victim_rows = undo_step(cache._rows(), rec,
+            rows, cache._free, cache._victim_rows = undo_step(cache.rows, rec,
                                                                  cache.backend.write_slot)
-            cache._set_rows(rows)
+            cache.rows = Rows(*rows)
             cache.offset -= 1
             left -= 1
         elif isinstance(rec, LayoutRecord):
             _undo_layout(cache, rec.slots)
         elif rec.tokens > left:  # the rewind ends inside this call: re-apply its head
             m = rec.tokens - left
-            redo = call_head_rows(cache._rows(), cache._n, rec, m)
+            redo = call_head_rows(cache.rows, cache._n, rec, m)
             _undo_call(cache, rec)
             cache._update(redo[0], redo[1])
             if rec.observed is not None:
@@ -135,7 +136,7 @@ def trim(cache, n: int) -> int:
         else:
             _undo_call(cache, rec)
             left -= rec.tokens
-    mx.async_eval([a for a in (*cache._rows(), cache._victim_rows) if a is not None])
+    mx.async_eval([a for a in (*cache.rows, cache._victim_rows) if a is not None])
     return n
 
 
@@ -147,21 +148,21 @@ def _drop_newest(cache, n: int) -> None:
     if (cache._needs_filter and cache.filter is not None
             and cache.offset < cache.config.qfilters_calib_tokens):
         cache.filter = None
-        cache.scores = mx.zeros_like(cache.scores)  # unscored again, as before calibration
+        cache.rows = cache.rows._replace(scores=mx.zeros_like(cache.rows.scores))  # unscored again
     if cache._queries is not None:
         cache._queries = cache._queries[:, :, : cache.offset]
 
 
 def _undo_layout(cache, slots: tuple) -> None:
-    rows, cache._free, cache._victim_rows = undo_layout(cache._rows(), cache._n, slots)
-    cache._set_rows(rows)
+    rows, cache._free, cache._victim_rows = undo_layout(cache.rows, cache._n, slots)
+    cache.rows = Rows(*rows)
 
 
 def _undo_call(cache, rec) -> None:
     """Undo the newest multi-token call (the cache is in its post-call state)."""
-    cache._set_rows(undo_call_rows(cache._rows(), cache._n, rec))
+    cache.rows = Rows(*undo_call_rows(cache.rows, cache._n, rec))
     if cache._needs_filter and rec.filter is None and cache.filter is not None:
-        cache.scores = mx.zeros_like(cache.scores)  # the old rows were never scored
+        cache.rows = cache.rows._replace(scores=mx.zeros_like(cache.rows.scores))  # never scored
     cache.filter, cache._queries, cache.evicted = rec.filter, rec.queries, rec.evicted
     cache.offset = rec.offset
     cache._n = rec.n

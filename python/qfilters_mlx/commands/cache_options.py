@@ -15,7 +15,7 @@ import contextlib
 import re
 import sys
 
-from qfilters_mlx.config import DEFAULT_FILTER_SOURCE, KVCacheConfig
+from qfilters_mlx.config import DEFAULT_FILTER_SOURCE, KVCacheConfig, with_stored_windows
 from qfilters_mlx.scorers import scorer_class
 
 __all__ = ["applicable_flags", "builder_from_args", "config_from_args", "describe_config",
@@ -116,7 +116,7 @@ def config_from_args(parser, args, method: str | None = None, budget: int | None
         if name in given:
             kwargs[field] = given[name]
     with _flag_errors(parser):
-        config = KVCacheConfig(**kwargs)
+        config = with_stored_windows(KVCacheConfig(**kwargs))  # (--recent calibrated: read now)
     builder_from_args(parser, args)  # the build flags fail before the model loads, too
     return config
 

@@ -5,10 +5,9 @@
   :mod:`.recent`; the defaults: :mod:`.defaults`.
 * :class:`BuildOptions` (:mod:`.build`): kernel backend, rewind depth, quantized K/V storage
   (keywords of ``KVCacheBuilder`` and the cache constructors; :data:`DEFAULT_MAX_REWIND`).
-* :mod:`.deprecated`: the earlier flat spellings, still accepted with a warning (translated
-  by one function, at construction and when a saved state is read);
-  :func:`given_build_options`: the build options a configuration spelled so carries;
-  :mod:`.state`: the flat form saved prompt caches store.
+* :mod:`.state`: the form saved prompt caches store (format 2, and the translator of
+  format 1); :mod:`.removed`: the 0.1 spellings removed in 0.3.0 (``TypeError`` naming
+  the new spelling).
 
 Every check raises ``ValueError`` (``TypeError`` for a wrong type) naming the field, before
 any cache exists. One frozen configuration is passed down to every cache; never global.
@@ -24,17 +23,20 @@ from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
                                               DEFAULT_RECENT_FRACTION, DEFAULT_SEED, DEFAULT_SIGN,
                                               FILTER_SOURCES, METHODS, default_recent,
                                               default_sign)
-from qfilters_mlx.config.method import KVCacheConfig, given_build_options
+from qfilters_mlx.config.method import KVCacheConfig
 from qfilters_mlx.config.modes import COMPRESS_AT, MODES, CompressOnce, Streaming
-from qfilters_mlx.config.recent import layer_recent, per_layer_table, resolve_recent
-from qfilters_mlx.config.state import config_from_state, config_to_state
+from qfilters_mlx.config.recent import (layer_recent, per_layer_table, resolve_recent,
+                                       with_stored_windows)
+from qfilters_mlx.config.state import (FORMAT, FORMATS, build_from_state, build_to_state,
+                                      config_from_state, config_to_state, from_format1)
 
 __all__ = [
     "AUTO_REWIND", "COMPRESS_AT", "DEFAULT_BACKEND", "DEFAULT_BUDGET", "DEFAULT_CALIB_TOKENS",
     "DEFAULT_FILTER_SOURCE", "DEFAULT_KEY_SIGN", "DEFAULT_KV_GROUP_SIZE", "DEFAULT_MAX_REWIND",
     "DEFAULT_METHOD", "DEFAULT_N_SINK", "DEFAULT_RECENT_FRACTION", "DEFAULT_SEED", "DEFAULT_SIGN",
     "FILTER_SOURCES", "INT32_MAX", "KV_BITS", "KV_GROUP_SIZES", "METHODS", "MODES",
-    "BuildOptions", "CompressOnce", "KVCacheConfig", "Streaming", "check_int",
-    "config_from_state", "config_to_state", "default_recent", "default_sign", "given_build_options",
-    "layer_recent", "merge_options", "per_layer_table", "resolve_recent",
+    "FORMAT", "FORMATS", "BuildOptions", "CompressOnce", "KVCacheConfig", "Streaming", "build_from_state",
+    "build_to_state", "check_int", "config_from_state", "config_to_state", "default_recent",
+    "default_sign", "from_format1",
+    "layer_recent", "merge_options", "per_layer_table", "resolve_recent", "with_stored_windows",
 ]

@@ -36,13 +36,12 @@ KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_KV_GROUP_SIZE = 64
 """mlx-lm's ``--kv-group-size`` default."""
 
-NAMES = {"backend": "backend", "max_rewind": "max_rewind", "kv_bits": "kv_bits",
-         "kv_group_size": "kv_group_size"}
-"""The options' keyword names (what errors name)."""
+NAMES = ("backend", "max_rewind", "kv_bits", "kv_group_size")
+"""The options' keyword names."""
 
 
-def check_build(backend, max_rewind, kv_bits, kv_group_size, head_dim=None, names=NAMES) -> None:
-    """The checks of one set of build options; errors name ``names[option]``.
+def check_build(backend, max_rewind, kv_bits, kv_group_size, head_dim=None) -> None:
+    """The checks of one set of build options; errors name the keyword.
 
     Raises:
         TypeError: ``max_rewind`` (other than ``"auto"``), ``kv_bits`` or ``kv_group_size`` is
@@ -53,26 +52,26 @@ def check_build(backend, max_rewind, kv_bits, kv_group_size, head_dim=None, name
             quantized cache no longer has), or ``head_dim`` not a multiple of
             ``kv_group_size`` with ``kv_bits``.
     """
-    check_choice(names["backend"], backend, BACKENDS)
+    check_choice("backend", backend, BACKENDS)
     if max_rewind != AUTO:
-        check_int(names["max_rewind"], max_rewind, 0)
+        check_int("max_rewind", max_rewind, 0)
     if kv_bits is not None:
-        check_int(names["kv_bits"], kv_bits, 1)
+        check_int("kv_bits", kv_bits, 1)
         if kv_bits not in KV_BITS:
-            raise ValueError(f"{names['kv_bits']} must be None or one of {KV_BITS}, got {kv_bits}")
-    check_int(names["kv_group_size"], kv_group_size, 1)
+            raise ValueError(f"kv_bits must be None or one of {KV_BITS}, got {kv_bits}")
+    check_int("kv_group_size", kv_group_size, 1)
     if kv_group_size not in KV_GROUP_SIZES:
-        raise ValueError(f"{names['kv_group_size']} must be one of {KV_GROUP_SIZES} (mx.quantize), "
+        raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES} (mx.quantize), "
                          f"got {kv_group_size}")
     if kv_bits is None:
         return
     if max_rewind != AUTO and max_rewind > 0:
-        raise ValueError(f"{names['kv_bits']}={kv_bits} needs {names['max_rewind']}=0, got "
+        raise ValueError(f"kv_bits={kv_bits} needs max_rewind=0, got "
                          f"{max_rewind}: a quantized cache cannot rewind after an eviction "
                          "(speculative decoding with kv_bits is not supported)")
     if head_dim is not None and head_dim % kv_group_size:
-        raise ValueError(f"head_dim ({head_dim}) must be a multiple of {names['kv_group_size']} "
-                         f"({kv_group_size}) with {names['kv_bits']}={kv_bits}")
+        raise ValueError(f"head_dim ({head_dim}) must be a multiple of kv_group_size "
+                         f"({kv_group_size}) with kv_bits={kv_bits}")
 
 
 @dataclass(frozen=True)
@@ -112,31 +111,17 @@ class BuildOptions:
                 if getattr(self, f.name) != getattr(default, f.name)}
 
 
-def merge_options(carried: BuildOptions | None, keywords: dict, carried_names: dict) -> BuildOptions:
-    """The options a cache is built with: each keyword that is not ``None``, else the value
-    ``carried`` (set with a configuration's deprecated spelling, else the default).
-
-    Args:
-        carried: options a configuration carries (``None``: the defaults).
-        keywords: ``{option: value or None}`` given where the caches are built.
-        carried_names: the spelling of each carried option in the configuration (errors
-            name it).
+def merge_options(*layers: dict) -> BuildOptions:
+    """The options a cache is built with: for each option the first value that is not ``None``
+    in ``layers`` (``{option: value or None}``, the most specific first: a call's keywords,
+    then its builder's), else the default.
 
     Raises:
-        ValueError: a keyword and a carried non-default value disagree (both named), or a
-            value fails :func:`check_build`.
+        TypeError, ValueError: a value :func:`check_build` refuses (named).
     """
-    base = carried or BuildOptions()
-    given = base.given()
     values = {}
     for name in NAMES:
-        keyword = keywords.get(name)
-        if keyword is None:
-            values[name] = getattr(base, name)
-            continue
-        if name in given and given[name] != keyword:
-            raise ValueError(f"{name}={keyword!r} conflicts with the configuration's "
-                             f"{carried_names[name]}={given[name]!r}: give it once, as the "
-                             f"keyword {name}= where the caches are built")
-        values[name] = keyword
+        given = [layer[name] for layer in layers if layer.get(name) is not None]
+        if given:
+            values[name] = given[0]
     return BuildOptions(**values)

@@ -7,16 +7,14 @@ import inspect
 import os
 from dataclasses import dataclass, field, fields
 
-from qfilters_mlx.config.build import (DEFAULT_BACKEND, DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_REWIND,
-                                       BuildOptions, check_build)
 from qfilters_mlx.config.checks import check_choice, check_int
 from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
                                               DEFAULT_FILTER_SOURCE, DEFAULT_METHOD,
                                               DEFAULT_N_SINK, DEFAULT_SEED, FILTER_SOURCES,
                                               default_recent, default_sign)
-from qfilters_mlx.config.deprecated import translate_old_spellings
 from qfilters_mlx.config.modes import STREAMING, CompressOnce, Streaming
 from qfilters_mlx.config.recent import layer_recent, resolve_recent
+from qfilters_mlx.config.removed import refuse_removed
 from qfilters_mlx.scorers import scorer_class
 
 
@@ -35,7 +33,6 @@ class _Fields:
     qfilters_filters: object = field(default=None, compare=False, repr=False)
     qfilters_seed: int = DEFAULT_SEED
     mode: Streaming | CompressOnce = STREAMING
-    _build_options: BuildOptions | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, init=False)
@@ -61,7 +58,8 @@ class KVCacheConfig(_Fields):
         qfilters_recent: trailing positions never evicted: an int, a per-head table
             ``[n_layers, n_kv_heads]`` or ``[n_kv_heads]`` (each in ``[0, budget - n_sink]``;
             stored as tuples), or ``"calibrated"`` (the table in the ``qfilters_filters``
-            file for this budget and n_sink; :mod:`qfilters_mlx.config.recent`).
+            file for this budget and n_sink, read when ``KVCacheBuilder`` builds the caches:
+            the constructor reads no file; :mod:`qfilters_mlx.config.recent`).
             ``None`` (default) is resolved at construction: :func:`default_recent` in the
             streaming mode, 0 in the compress-once mode; reading the field gives the
             resolved value, so ``dataclasses.replace(config, qfilters_budget=B)`` keeps the
@@ -92,31 +90,25 @@ class KVCacheConfig(_Fields):
             :class:`CompressOnce` ``(ratio, growth, at)`` (compress once, then append;
             not with ``method="full"``, one int recent window).
 
-    Deprecated spellings (each construction with one warns once, ``DeprecationWarning``;
-    they keep working and read back without a warning): ``qfilters_mode``,
-    ``qfilters_compression_ratio``, ``qfilters_growth``, ``qfilters_compress_at`` (now
-    ``mode``), ``qfilters_backend``, ``qfilters_max_rewind``, ``kv_bits``, ``kv_group_size``
-    (now build keywords; a configuration spelled so hands them to the caches built from it,
-    see docs/configuration.md, "Deprecated spellings").
-
     Raises:
         ValueError: a field out of range or not one of its choices (the message names the
             field), ``n_sink >= budget``, ``n_sink + recent >= budget``, a sign that
             contradicts the filter source, ``qfilters_filters`` neither an existing file nor
             a 3-d array, compress-once with ``method="full"`` or a per-head window.
         TypeError: a field of the wrong type (an int that is not an int, a mode that is not
-            :class:`Streaming` / :class:`CompressOnce`).
+            :class:`Streaming` / :class:`CompressOnce`); a spelling of 0.1 removed in 0.3.0
+            (the message names its new spelling: :mod:`qfilters_mlx.config.removed`).
     """
 
     def __init__(self, *args, **kwargs):
         names = [f.name for f in fields(_Fields)]
-        if len(args) > len(names) - 1:
-            raise TypeError(f"KVCacheConfig takes at most {len(names) - 1} positional arguments")
+        if len(args) > len(names):
+            raise TypeError(f"KVCacheConfig takes at most {len(names)} positional arguments")
         for name, value in zip(names, args):
             if name in kwargs:
                 raise TypeError(f"KVCacheConfig got multiple values for argument {name!r}")
             kwargs[name] = value
-        kwargs = translate_old_spellings(kwargs, warn_stacklevel=2)
+        refuse_removed(kwargs)
         super().__init__(**_resolved(kwargs))
 
     # -- derived values -------------------------------------------------------------------
@@ -158,13 +150,11 @@ class KVCacheConfig(_Fields):
         ``head_dim`` is checked (the rest was, at construction).
 
         Raises:
-            TypeError, ValueError: ``head_dim`` is not an int >= 1, or no multiple of the
-                group size of carried ``kv_bits``.
+            TypeError, ValueError: ``head_dim`` is not an int >= 1.
         """
         if head_dim == self.head_dim and type(head_dim) is type(self.head_dim):
             return self
         check_int("head_dim", head_dim, 1)
-        _check_carried(self._build_options, head_dim)
         return self._derived(head_dim=head_dim)
 
     def for_layer(self, layer: int, head_dim: int) -> "KVCacheConfig":
@@ -189,81 +179,9 @@ class KVCacheConfig(_Fields):
             object.__setattr__(new, name, value)
         return new
 
-    def with_build_options(self, options: BuildOptions) -> "KVCacheConfig":
-        """A copy that hands ``options`` to a cache made from it alone (``QFiltersKVCache(config)``
-        reads them as ``config.qfilters_backend`` ...; :func:`given_build_options` returns them):
-        what a saved cache's loader hands on. Where caches are built, pass the keywords of
-        ``KVCacheBuilder`` and the cache constructors instead.
-
-        Raises:
-            TypeError: ``options`` is not a :class:`BuildOptions`.
-            ValueError: ``kv_bits`` with a ``head_dim`` that is no multiple of the group size.
-        """
-        if not isinstance(options, BuildOptions):
-            raise TypeError(f"options must be a BuildOptions, got {type(options).__name__}")
-        _check_carried(options, self.head_dim)
-        return self._derived(_build_options=options if options.given() else None)
-
-    # -- the earlier spellings, read without a warning ----------------------------------
-    @property
-    def qfilters_mode(self) -> str:
-        """``mode.name``: ``"streaming"`` or ``"compress_once"``."""
-        return self.mode.name
-
-    @property
-    def qfilters_compression_ratio(self) -> float | None:
-        """``mode.ratio`` (``None`` in the streaming mode)."""
-        return getattr(self.mode, "ratio", None)
-
-    @property
-    def qfilters_growth(self) -> int | None:
-        """``mode.growth`` (``None`` in the streaming mode)."""
-        return getattr(self.mode, "growth", None)
-
-    @property
-    def qfilters_compress_at(self) -> str:
-        """``mode.at`` (``"prompt_end"`` in the streaming mode)."""
-        return getattr(self.mode, "at", "prompt_end")
-
-    @property
-    def qfilters_backend(self) -> str:
-        """The backend given with ``KVCacheConfig(qfilters_backend=...)``, else the default."""
-        return self._build_options.backend if self._build_options else DEFAULT_BACKEND
-
-    @property
-    def qfilters_max_rewind(self) -> int:
-        """The depth given with ``KVCacheConfig(qfilters_max_rewind=...)``, else
-        :data:`DEFAULT_MAX_REWIND`."""
-        return self._build_options.max_rewind if self._build_options else DEFAULT_MAX_REWIND
-
-    @property
-    def kv_bits(self) -> int | None:
-        """The width given with ``KVCacheConfig(kv_bits=...)``, else ``None``."""
-        return self._build_options.kv_bits if self._build_options else None
-
-    @property
-    def kv_group_size(self) -> int:
-        """The group size given with ``KVCacheConfig(kv_group_size=...)``, else the default."""
-        return self._build_options.kv_group_size if self._build_options else DEFAULT_KV_GROUP_SIZE
-
 
 _SIGNATURE = inspect.signature(_Fields)
-KVCacheConfig.__signature__ = _SIGNATURE.replace(  # what help() and inspect show: the fields
-    parameters=[p for p in _SIGNATURE.parameters.values() if not p.name.startswith("_")])
-
-
-def given_build_options(config: KVCacheConfig) -> BuildOptions | None:
-    """The build options ``config`` hands to the caches built from it (given with its
-    deprecated spelling, ``KVCacheConfig(qfilters_backend=...)``, or
-    :meth:`KVCacheConfig.with_build_options`); ``None`` when it carries none."""
-    return config._build_options
-
-
-def _check_carried(options: BuildOptions | None, head_dim) -> None:
-    """Carried build options against ``head_dim`` (``kv_bits`` needs a multiple of the group)."""
-    if options is not None and head_dim is not None:
-        check_build(options.backend, options.max_rewind, options.kv_bits, options.kv_group_size,
-                    head_dim=head_dim)
+KVCacheConfig.__signature__ = _SIGNATURE  # what help() and inspect show: the fields
 
 
 def _resolved(values: dict) -> dict:
@@ -300,9 +218,6 @@ def _resolved(values: dict) -> dict:
     check_int("qfilters_seed", v["qfilters_seed"], 0, 2**63 - 1)
     _check_counts(v, mode, scorer)
     _check_filter(v)
-    if v["_build_options"] is not None and not isinstance(v["_build_options"], BuildOptions):
-        raise TypeError(f"_build_options must be a BuildOptions, got {v['_build_options']!r}")
-    _check_carried(v["_build_options"], v["head_dim"])
     return v
 
 

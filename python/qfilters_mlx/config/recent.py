@@ -4,9 +4,10 @@
 ``[n_layers, n_kv_heads]`` or one row ``[n_kv_heads]`` shared by every layer (nested
 sequences or an array of ints), or ``"calibrated"``: the table stored for this budget
 and sink count in the filters file ``qfilters_filters`` (written by
-``qfilters-mlx calibrate``, see :mod:`qfilters_mlx.filters.windows`). Tables are
-normalised to tuples of Python ints at construction, so configs stay hashable and
-JSON round-trips (``state``) rebuild the same config.
+``qfilters-mlx calibrate``, see :mod:`qfilters_mlx.filters.windows`), read when the caches
+are built (:func:`with_stored_windows`, called once by ``KVCacheBuilder``): the configuration
+reads no file. Tables are normalised to tuples of Python ints at construction, so configs stay
+hashable and JSON round-trips (``state``) rebuild the same config.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def resolve_recent(recent, budget: int, n_sink: int, ranks: bool, filters):
             ``n_sink + recent < budget``, is unchanged).
         ranks: the method's scorer ranks by score (:attr:`Scorer.ranks`); one that keeps by
             position only ignores the windows, which are then not checked.
-        filters: ``qfilters_filters`` (a path for ``"calibrated"``).
+        filters: ``qfilters_filters`` (a path for ``"calibrated"``, which stays
+            ``"calibrated"``: :func:`with_stored_windows` reads the table).
 
     Raises:
-        ValueError: ``"calibrated"`` without a filters file, or a file without windows for
-            this budget and ``n_sink`` (names the budgets it has); a window < 0 or above
+        ValueError: ``"calibrated"`` without a filters path; a window < 0 or above
             ``budget - n_sink`` (names layer and head); a ragged table.
         TypeError: a window that is not an int, or a value of another type.
     """
@@ -65,9 +66,7 @@ def resolve_recent(recent, budget: int, n_sink: int, ranks: bool, filters):
         if not isinstance(filters, str):
             raise ValueError("qfilters_recent='calibrated' reads the per-head windows of a filters "
                              "file: set qfilters_filters to the path written by `qfilters-mlx calibrate`")
-        from qfilters_mlx.stored_windows import load_windows
-
-        recent = load_windows(filters, budget, n_sink)
+        return CALIBRATED
     if isinstance(recent, numbers.Integral) and not isinstance(recent, bool):
         return int(recent)
     if isinstance(recent, bool):
@@ -83,13 +82,37 @@ def resolve_recent(recent, budget: int, n_sink: int, ranks: bool, filters):
     return table
 
 
+def with_stored_windows(config):
+    """``config``, or for ``qfilters_recent="calibrated"`` a copy holding the table its filters
+    file stores for its budget and ``n_sink`` (the file read here; ``KVCacheBuilder`` calls this
+    once per build, before any cache exists).
+
+    Raises:
+        ValueError: the file holds no windows, or none for this budget and ``n_sink`` (named),
+            or a table :class:`~qfilters_mlx.config.KVCacheConfig` refuses.
+    """
+    if config.qfilters_recent != CALIBRATED:
+        return config
+    import dataclasses
+
+    from qfilters_mlx.stored_windows import load_windows
+
+    table = load_windows(config.qfilters_filters, config.qfilters_budget, config.qfilters_n_sink)
+    return dataclasses.replace(config, qfilters_recent=table)
+
+
 def layer_recent(recent, layer: int):
     """The window argument of one layer's cache: the int, the shared row, or row ``layer``
     of a ``[n_layers, n_kv_heads]`` table (a tuple of ``n_kv_heads`` ints).
 
     Raises:
-        ValueError: ``layer`` is outside the table.
+        ValueError: ``layer`` is outside the table; ``"calibrated"`` windows not read yet
+            (:func:`with_stored_windows`).
     """
+    if recent == CALIBRATED:
+        raise ValueError("qfilters_recent='calibrated': the per-head windows of the filters file are "
+                         "read when KVCacheBuilder.for_model / install build the caches; for a cache "
+                         "built alone pass the table (qfilters_mlx.config.with_stored_windows(config))")
     if isinstance(recent, int) or not isinstance(recent[0], tuple):
         return recent
     if not 0 <= layer < len(recent):
@@ -105,7 +128,7 @@ def per_layer_table(config, n_layers: int) -> bool:
         ValueError: the table has another number of rows.
     """
     r = config.protected_recent
-    if isinstance(r, int) or not isinstance(r[0], tuple):
+    if isinstance(r, (int, str)) or not isinstance(r[0], tuple):
         return False
     if len(r) != n_layers:
         raise ValueError(f"qfilters_recent has per-head windows for {len(r)} layers, the model has "

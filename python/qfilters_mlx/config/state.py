@@ -1,38 +1,94 @@
-"""A configuration and its build options as one flat JSON object, the form saved prompt caches
-store (``QFiltersKVCache.state``; the field names of the earlier flat configuration, so files
-saved before and after read alike: :func:`config_from_state` reads them with
-:func:`~qfilters_mlx.config.deprecated.translate_old_spellings`)."""
+"""A configuration and its build options as JSON objects: the form saved prompt caches store
+(``QFiltersKVCache.state``, :mod:`qfilters_mlx.cache.persistence`).
+
+Format 2 (:data:`FORMAT`, written since 0.3.0): the saved meta holds ``"format": 2``,
+``"config"`` (the fields of :class:`KVCacheConfig` by their names, the mode as
+``{"name": "streaming"}`` or ``{"name": "compress_once", "ratio", "growth", "at"}``) and
+``"build"`` (the :class:`BuildOptions` the cache uses). Format 1 (0.1 and 0.2, no ``"format"``)
+kept one flat ``"config"`` object with the mode and the build options under their 0.1 names;
+:func:`from_format1`, the one translator, turns such a meta into format 2.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 from qfilters_mlx.config.build import BuildOptions
-from qfilters_mlx.config.deprecated import BUILD_FIELDS, translate_old_spellings
 from qfilters_mlx.config.method import KVCacheConfig
+from qfilters_mlx.config.modes import STREAMING, CompressOnce
+from qfilters_mlx.config.removed import BUILD, MODE, REMOVED
+
+FORMAT = 2
+"""The saved format written now."""
+FORMATS = (1, 2)
+"""The saved formats read (1 through :func:`from_format1`)."""
 
 _METHOD_FIELDS = ("method", "head_dim", "qfilters_budget", "qfilters_n_sink", "qfilters_recent",
                   "qfilters_calib_tokens", "qfilters_sign", "qfilters_seed",
                   "qfilters_filter_source", "qfilters_filters")
-_MODE_FIELDS = ("qfilters_mode", "qfilters_compression_ratio", "qfilters_growth",
-                "qfilters_compress_at")
 
 
-def config_to_state(config: KVCacheConfig, options: BuildOptions | None = None) -> dict:
-    """``{field: value}`` of ``config`` and the build ``options`` (``None``: those the
-    config carries), JSON-serialisable but for an array in ``qfilters_filters``."""
-    names = (*_METHOD_FIELDS, *_MODE_FIELDS)
-    state = {name: getattr(config, name) for name in names}
-    for old, new in BUILD_FIELDS.items():
-        state[old] = getattr(options, new) if options is not None else getattr(config, old)
+def config_to_state(config: KVCacheConfig) -> dict:
+    """``{field: value}`` of ``config``, the mode as ``{"name": ..., its fields}``;
+    JSON-serialisable but for an array in ``qfilters_filters``."""
+    state = {name: getattr(config, name) for name in _METHOD_FIELDS}
+    state["mode"] = {"name": config.mode.name, **dataclasses.asdict(config.mode)}
     return state
 
 
-def config_from_state(state: dict) -> tuple[KVCacheConfig, BuildOptions]:
-    """The configuration (carrying no build options) and the build options of
-    :func:`config_to_state`'s ``state``, without deprecation warnings.
+def config_from_state(state: dict) -> KVCacheConfig:
+    """The configuration :func:`config_to_state` saved as ``state``.
 
     Raises:
-        ValueError, TypeError: a value :class:`KVCacheConfig` or :class:`BuildOptions` refuses.
+        ValueError, TypeError: a value :class:`KVCacheConfig` refuses, or a mode that is not
+            ``{"name": "streaming"}`` / ``{"name": "compress_once", ...}``.
     """
-    values = translate_old_spellings(dict(state), warn_stacklevel=None)
-    options = values.pop("_build_options", None) or BuildOptions()
-    return KVCacheConfig(**values), options
+    values = dict(state)
+    mode = dict(values.get("mode") or {})
+    name = mode.pop("name", None)
+    if name == STREAMING.name and not mode:
+        values["mode"] = STREAMING
+    elif name == CompressOnce.name:
+        values["mode"] = CompressOnce(**mode)
+    else:
+        raise ValueError(f"saved mode must be {{'name': 'streaming'}} or {{'name': 'compress_once', "
+                         f"...}}, got {state.get('mode')!r}")
+    return KVCacheConfig(**values)
+
+
+def build_to_state(options: BuildOptions) -> dict:
+    """``{option: value}`` of ``options``."""
+    return dataclasses.asdict(options)
+
+
+def build_from_state(state: dict) -> BuildOptions:
+    """The build options :func:`build_to_state` saved as ``state``.
+
+    Raises:
+        TypeError, ValueError: an unknown option or a value :class:`BuildOptions` refuses.
+    """
+    return BuildOptions(**state)
+
+
+def from_format1(meta: dict) -> dict:
+    """The format-2 meta of a format-1 saved meta ``meta`` (not changed): its flat ``"config"``
+    split into the configuration's fields, the ``"mode"`` and the ``"build"`` options
+    (:data:`~qfilters_mlx.config.removed.REMOVED` says where each 0.1 field went; a
+    streaming configuration's unused compress-once fields are dropped), ``"format": 2``;
+    every other entry as it was.
+
+    Raises:
+        ValueError: ``meta`` has no ``"config"`` object.
+    """
+    flat = meta.get("config")
+    if not isinstance(flat, dict):
+        raise ValueError(f"state: format-1 meta without a 'config' object (got {flat!r})")
+    config = {k: v for k, v in flat.items() if k not in REMOVED}
+    mode = {new: flat[old] for old, (part, new) in REMOVED.items() if part == MODE and old in flat}
+    mode.setdefault("name", STREAMING.name)
+    if mode["name"] == STREAMING.name:
+        mode = {"name": STREAMING.name}
+    config["mode"] = mode
+    build = {new: flat[old] for old, (part, new) in REMOVED.items()
+             if part == BUILD and flat.get(old) is not None}
+    return {**meta, "format": FORMAT, "config": config, "build": build}
