@@ -3,6 +3,7 @@ spellings removed in 0.3.0 (TypeError naming the new spelling)."""
 
 import dataclasses
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -187,6 +188,30 @@ def test_the_format1_translator_moves_each_old_field_where_the_table_says():
     assert build_from_state(out["build"]) == BuildOptions(backend="reference", kv_group_size=32)
     with pytest.raises(ValueError, match="format-1 meta without a 'config'"):
         from_format1({"offset": "3"})
+
+
+@pytest.mark.parametrize("meta, got", [
+    ({"config": FORMAT1_CONFIG, "format": 1}, "['format']"),
+    ({"config": FORMAT1_CONFIG, "build": {}}, "['build']"),
+    ({"config": {**FORMAT1_CONFIG, "mode": {"name": "streaming"}}}, "['config.mode']"),
+    ({"config": {k: v for k, v in FORMAT1_CONFIG.items() if k != "qfilters_mode"}}, "no qfilters_mode"),
+])
+def test_the_format1_translator_refuses_a_meta_that_is_not_format1(meta, got):
+    """Format 1 had no marker, no ``"build"`` and no ``"mode"``, and always a ``qfilters_mode``:
+    anything else is refused, not translated into a default mode and backend."""
+    with pytest.raises(ValueError, match=rf"^state: not a format-1 meta \(.*; got {re.escape(got)}\)$"):
+        from_format1(meta)
+
+
+@pytest.mark.parametrize("field", ["qfilters_compression_ratio", "qfilters_growth"])
+def test_the_format1_translator_refuses_compress_once_fields_with_streaming(field):
+    """As 0.2 refused ``KVCacheConfig(qfilters_mode="streaming", qfilters_growth=3)``;
+    ``qfilters_compress_at``, which 0.2 ignored with streaming, is dropped."""
+    flat = {**FORMAT1_CONFIG, "qfilters_mode": "streaming", "qfilters_compression_ratio": None,
+            "qfilters_growth": None, field: FORMAT1_CONFIG[field]}
+    with pytest.raises(ValueError, match=rf"^state: format-1 config sets \['{field}'\] with "
+                                         r"qfilters_mode='streaming'"):
+        from_format1({"config": flat})
 
 
 def _tiny():
