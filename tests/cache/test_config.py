@@ -42,6 +42,25 @@ def test_a_removed_spelling_raises_type_error_naming_the_new_one(old, hint):
         getattr(KVCacheConfig(**KEYS), name)
 
 
+def test_reading_a_removed_spelling_names_where_the_value_is_read_now():
+    """``config.<0.1 name>`` raises ``AttributeError`` naming an expression; that expression,
+    evaluated on the configuration and a cache built with the value, gives the value back."""
+    given = {"qfilters_mode": "compress_once", "qfilters_compression_ratio": 0.25,
+             "qfilters_growth": 7, "qfilters_compress_at": "manual", "qfilters_backend": "reference",
+             "qfilters_max_rewind": 0, "kv_bits": 4, "kv_group_size": 32}
+    config = KVCacheConfig(head_dim=64, **KEYS, mode=CompressOnce(ratio=0.25, growth=7, at="manual"))
+    cache = build_cache(config, 0, bits=4, group_size=32, backend="reference", max_rewind=0)
+    for name, value in given.items():
+        with pytest.raises(AttributeError, match=rf"^KVCacheConfig\.{name} was removed in 0\.3\.0 "
+                                                 r"\(a 0\.1/0\.2 spelling\): read ") as err:
+            getattr(config, name)
+        where = re.search(r"read (\S+)", str(err.value)).group(1)
+        assert eval(where, {"config": config, "cache": cache}) == value, (name, where)
+    with pytest.raises(AttributeError, match=r"^'KVCacheConfig' object has no attribute 'zzz'$"):
+        config.zzz
+    assert getattr(config, "kv_bits", None) is None  # (getattr with a default still answers)
+
+
 def test_several_removed_spellings_are_named_together_and_nothing_else_is_accepted():
     with pytest.raises(TypeError, match=r"\['qfilters_mode', 'qfilters_growth', 'kv_bits'\]"):
         KVCacheConfig(qfilters_mode="compress_once", qfilters_growth=3, kv_bits=4)
