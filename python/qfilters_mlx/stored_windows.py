@@ -2,8 +2,9 @@
 
 ``qfilters-mlx calibrate`` writes them (:func:`qfilters_mlx.filters.windows.window_tensors`:
 tensor ``"recent_windows"`` ``[n_budgets, n_layers, n_kv_heads]`` int32, metadata
-``recent_budgets`` and ``recent_n_sink``); ``KVCacheConfig(qfilters_recent="calibrated")``
-reads them through :func:`load_windows` (a top-level module: the configuration imports
+``recent_budgets`` and ``recent_n_sink``); the builder reads them once per build through
+:func:`load_windows` for a ``KVCacheConfig(qfilters_recent="calibrated")``
+(:func:`qfilters_mlx.config.with_stored_windows`; a top-level module: the configuration imports
 nothing of ``filters``).
 """
 

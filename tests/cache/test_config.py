@@ -3,6 +3,7 @@ spellings removed in 0.3.0 (TypeError naming the new spelling)."""
 
 import dataclasses
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +40,25 @@ def test_a_removed_spelling_raises_type_error_naming_the_new_one(old, hint):
         dataclasses.replace(KVCacheConfig(**KEYS), **old)
     with pytest.raises(AttributeError):  # no legacy property reads it back
         getattr(KVCacheConfig(**KEYS), name)
+
+
+def test_reading_a_removed_spelling_names_where_the_value_is_read_now():
+    """``config.<0.1 name>`` raises ``AttributeError`` naming an expression; that expression,
+    evaluated on the configuration and a cache built with the value, gives the value back."""
+    given = {"qfilters_mode": "compress_once", "qfilters_compression_ratio": 0.25,
+             "qfilters_growth": 7, "qfilters_compress_at": "manual", "qfilters_backend": "reference",
+             "qfilters_max_rewind": 0, "kv_bits": 4, "kv_group_size": 32}
+    config = KVCacheConfig(head_dim=64, **KEYS, mode=CompressOnce(ratio=0.25, growth=7, at="manual"))
+    cache = build_cache(config, 0, bits=4, group_size=32, backend="reference", max_rewind=0)
+    for name, value in given.items():
+        with pytest.raises(AttributeError, match=rf"^KVCacheConfig\.{name} was removed in 0\.3\.0 "
+                                                 r"\(a 0\.1/0\.2 spelling\): read ") as err:
+            getattr(config, name)
+        where = re.search(r"read (\S+)", str(err.value)).group(1)
+        assert eval(where, {"config": config, "cache": cache}) == value, (name, where)
+    with pytest.raises(AttributeError, match=r"^'KVCacheConfig' object has no attribute 'zzz'$"):
+        config.zzz
+    assert getattr(config, "kv_bits", None) is None  # (getattr with a default still answers)
 
 
 def test_several_removed_spellings_are_named_together_and_nothing_else_is_accepted():
@@ -187,6 +207,30 @@ def test_the_format1_translator_moves_each_old_field_where_the_table_says():
     assert build_from_state(out["build"]) == BuildOptions(backend="reference", kv_group_size=32)
     with pytest.raises(ValueError, match="format-1 meta without a 'config'"):
         from_format1({"offset": "3"})
+
+
+@pytest.mark.parametrize("meta, got", [
+    ({"config": FORMAT1_CONFIG, "format": 1}, "['format']"),
+    ({"config": FORMAT1_CONFIG, "build": {}}, "['build']"),
+    ({"config": {**FORMAT1_CONFIG, "mode": {"name": "streaming"}}}, "['config.mode']"),
+    ({"config": {k: v for k, v in FORMAT1_CONFIG.items() if k != "qfilters_mode"}}, "no qfilters_mode"),
+])
+def test_the_format1_translator_refuses_a_meta_that_is_not_format1(meta, got):
+    """Format 1 had no marker, no ``"build"`` and no ``"mode"``, and always a ``qfilters_mode``:
+    anything else is refused, not translated into a default mode and backend."""
+    with pytest.raises(ValueError, match=rf"^state: not a format-1 meta \(.*; got {re.escape(got)}\)$"):
+        from_format1(meta)
+
+
+@pytest.mark.parametrize("field", ["qfilters_compression_ratio", "qfilters_growth"])
+def test_the_format1_translator_refuses_compress_once_fields_with_streaming(field):
+    """As 0.2 refused ``KVCacheConfig(qfilters_mode="streaming", qfilters_growth=3)``;
+    ``qfilters_compress_at``, which 0.2 ignored with streaming, is dropped."""
+    flat = {**FORMAT1_CONFIG, "qfilters_mode": "streaming", "qfilters_compression_ratio": None,
+            "qfilters_growth": None, field: FORMAT1_CONFIG[field]}
+    with pytest.raises(ValueError, match=rf"^state: format-1 config sets \['{field}'\] with "
+                                         r"qfilters_mode='streaming'"):
+        from_format1({"config": flat})
 
 
 def _tiny():

@@ -404,7 +404,11 @@ def test_an_empty_quantized_cache_saves_and_loads_and_a_bad_row_format_is_refuse
                             (dict(kv_group_size="32"), r"^state: bad meta \(kv_group_size must be an int"),
                             (dict(kv_group_size=0), r"^state: bad meta \(kv_group_size must be >= 1, got 0\)$"),
                             (dict(kv_group_size=1), r"^state: bad meta \(kv_group_size must be one of"),
-                            (dict(kv_group_size=64), r"^state: stored rows .* do not match kv_format")):
+                            (dict(kv_group_size=64), r"^state: stored rows .* do not match kv_format"),
+                            (dict(zzz=1), r"^state: bad meta \(saved build options \['zzz'\] are not "
+                                          r"options \(known: \['backend', 'max_rewind', 'kv_bits', "
+                                          r"'kv_group_size'\]\)\)$"),
+                            (dict(max_rewind=4), r"^state: bad meta \(kv_bits=4 needs max_rewind=0")):
         bad = [*s[:6], json.dumps({**meta, "build": {**meta["build"], **change}}), *s[7:]]
         with pytest.raises(ValueError, match=message):
             QuantizedQFiltersKVCache.from_state(bad)

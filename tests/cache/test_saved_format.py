@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,15 +106,18 @@ def test_format1_saved_again_is_format2_and_continues_in_a_fresh_process(tmp_pat
     _assert_continues(dict(np.load(out)), np.load(cases.FORMAT1 / f"{case.name}.npz"))
 
 
-@pytest.mark.parametrize("fmt", [3, "2", 0, None, True])
+@pytest.mark.parametrize("fmt", [3, "2", 0, None, True, 1, 2.0])
 def test_an_unknown_format_is_refused_naming_it(tmp_path, fmt):
+    """Only the int 2 marks a format: format 1 never had a marker, so ``"format": 1`` is
+    refused as well (it is not what 0.2 wrote)."""
     (path,) = [cases.FORMAT1 / "streaming.safetensors"]
     state = list(load_prompt_cache(str(path))[0].state)
     meta = json.loads(state[6])
     before = list(state)
     state[6] = json.dumps({**meta, "format": fmt})
-    with pytest.raises(ValueError, match=rf"^state: saved cache format {fmt!r} is not one this "
-                                         r"qfilters-mlx reads \(formats 1 and 2\)"):
+    with pytest.raises(ValueError, match=rf"^state: saved cache format {re.escape(repr(fmt))} is not a "
+                                         r"format this version reads \(formats 1 and 2: format 1 has "
+                                         r"no 'format' entry, format 2 the int 2\)"):
         QFiltersKVCache.from_state(state)
     # the same refusal through mlx-lm's loader, for a file
     cache = QFiltersKVCache.from_state(before)
@@ -121,8 +125,69 @@ def test_an_unknown_format_is_refused_naming_it(tmp_path, fmt):
     arrays, metadata = mx.load(str(tmp_path / "f.safetensors"), return_metadata=True)
     arrays["0.6"] = mx.array([ord(c) for c in state[6]])
     mx.save_safetensors(str(tmp_path / "g.safetensors"), arrays, metadata)
-    with pytest.raises(ValueError, match=rf"saved cache format {fmt!r}"):
+    with pytest.raises(ValueError, match=rf"saved cache format {re.escape(repr(fmt))} "):
         load_prompt_cache(str(tmp_path / "g.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["streaming", "compress_once", "quantized"])
+def test_a_format2_body_is_not_read_as_format1(name):
+    """A format-2 meta marked ``"format": 1``, or with its marker taken out, is refused, not
+    translated (translated, a compress-once file's mode became streaming and its backend the
+    default); the cache class named by its build options reads it unchanged when marked 2."""
+    cache = load_prompt_cache(str(cases.FORMAT1 / f"{name}.safetensors"))[0]
+    state = list(cache.state)
+    meta = json.loads(state[6])
+    assert meta["format"] == 2 and meta["config"]["mode"]["name"] == (
+        "compress_once" if name == "compress_once" else "streaming")
+    marked_1 = [*state[:6], json.dumps({**meta, "format": 1}), *state[7:]]
+    with pytest.raises(ValueError, match=r"^state: saved cache format 1 is not a format"):
+        type(cache).from_state(marked_1)
+    unmarked = {k: v for k, v in meta.items() if k != "format"}
+    with pytest.raises(ValueError, match=r"^state: not a format-1 meta \(.*got \['build', "
+                                         r"'config.mode'\]\)$"):
+        type(cache).from_state([*state[:6], json.dumps(unmarked), *state[7:]])
+    again = type(cache).from_state(state)
+    assert (again.config, again.limits, again.max_rewind) == (cache.config, cache.limits, cache.max_rewind)
+
+
+def test_a_refused_state_leaves_the_cache_as_it_was():
+    """``cache.state = bad`` raises before anything changes: the cache saves the same state
+    and continues as its untouched twin does."""
+    cache = load_prompt_cache(str(cases.FORMAT1 / "compress_once.safetensors"))[0]
+    twin = load_prompt_cache(str(cases.FORMAT1 / "compress_once.safetensors"))[0]
+    good = list(cache.state)
+    meta = json.loads(good[6])
+    old = _raw_metas(cases.FORMAT1 / "compress_once.safetensors")[0]  # (format 1)
+    bads = [{**meta, "format": 3}, {**meta, "format": 1}, {**meta, "format": "2"},
+            {k: v for k, v in meta.items() if k != "format"},
+            {**meta, "build": []}, {**meta, "build": {**meta["build"], "zzz": 1}},
+            {**old, "config": {**old["config"], "qfilters_mode": "streaming"}},  # ratio, growth set
+            {**old, "config": {k: v for k, v in old["config"].items() if k != "qfilters_mode"}}]
+    for bad in bads:
+        with pytest.raises(ValueError, match=r"^state: "):
+            cache.state = [*good[:6], json.dumps(bad), *good[7:]]
+        assert json.loads(cache.state[6]) == meta
+        for x, y in zip(cache.state[:6], good[:6]):
+            assert (x is None and y is None) or mx.array_equal(x, y).item()
+    k = mx.random.normal((1, 2, 3, 32), key=mx.random.key(3))
+    for x, y in zip(cache.update_and_fetch(k, k), twin.update_and_fetch(k, k)):
+        assert mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("build", [[], "x", None, 3])
+def test_saved_build_options_that_are_not_an_object_are_refused_naming_them(build):
+    """Dense rows, quantized rows and a batch's rows: ``ValueError`` quoting the value."""
+    from qfilters_mlx.cache.batch import BatchQFiltersCache
+
+    want = rf"saved build options must be an object {{option: value}}, got {re.escape(repr(build))}\)$"
+    for name in ("streaming", "quantized"):
+        cache = load_prompt_cache(str(cases.FORMAT1 / f"{name}.safetensors"))[0]
+        state = list(cache.state)
+        bad = (*state[:6], json.dumps({**json.loads(state[6]), "build": build}), *state[7:])
+        with pytest.raises(ValueError, match=r"^state: bad meta \(" + want):
+            type(cache).from_state(bad)
+        with pytest.raises(ValueError, match=r"^state: bad row meta \(" + want):
+            BatchQFiltersCache.from_state(tuple(state) + bad)
 
 
 def test_a_batch_of_format1_rows_loads_each_row_through_the_translator():

@@ -10,6 +10,7 @@ state, in row order, 7 entries each, 8 for quantized rows; see
 from __future__ import annotations
 
 from qfilters_mlx.cache.persistence import read_meta
+from qfilters_mlx.config import build_from_state
 
 __all__ = ["BatchStorageMixin"]
 
@@ -78,8 +79,8 @@ def _row_class(meta: str) -> tuple:
     startup hook registers our classes while ``mlx_lm.models.cache`` is first imported, which
     would re-enter this module half-initialized)."""
     try:
-        quantized = read_meta(meta)["build"].get("kv_bits") is not None
-    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        quantized = build_from_state(read_meta(meta)["build"]).kv_bits is not None
+    except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"state: bad row meta ({err})") from err
     import mlx_lm.models.cache as mlx_cache
 

@@ -14,8 +14,9 @@ mlx-lm's ``save_prompt_cache`` stores (:func:`encode`) and back, checking everyt
   order; ``meta`` is a JSON string: ``"format": 2``, the configuration (``"config"``) and
   the build options the cache uses (``"build"``: backend, max_rewind, kv_bits,
   kv_group_size; :mod:`qfilters_mlx.config.state`), the scalar attributes and the slot
-  layout. Files of format 1 (0.1, 0.2: no ``"format"``) are read through
-  :func:`~qfilters_mlx.config.state.from_format1`; another format raises ``ValueError``.
+  layout. Files of format 1 (no ``"format"``, as 0.2.x wrote them; tested with 0.2.0's) are
+  read through :func:`~qfilters_mlx.config.state.from_format1`; another format raises
+  ``ValueError`` before the cache changes.
   A cache saved in the middle of a decode (slot mode) reloads in the same slot layout, so
   it continues bit for bit like an uninterrupted run. The rewind journal is not saved: a
   reloaded cache can rewind only what it has seen since (a deeper ``trim`` raises).
@@ -122,7 +123,8 @@ def read_meta(text) -> dict:
     translated from format 1 (no ``"format"``) by :func:`~qfilters_mlx.config.from_format1`.
 
     Raises:
-        ValueError: not a JSON object; another format (a file of a later version), naming it.
+        ValueError: not a JSON object; a ``"format"`` other than the int 2, naming it; a meta
+            without one that is not format 1 (:func:`~qfilters_mlx.config.from_format1`).
     """
     try:
         meta = json.loads(text)
@@ -130,12 +132,15 @@ def read_meta(text) -> dict:
             raise ValueError("not a JSON object")
     except (TypeError, ValueError) as err:
         raise ValueError(f"state: bad meta ({err})") from err
-    fmt = meta.get("format", 1)  # (format 1 has no marker)
-    if isinstance(fmt, bool) or fmt not in FORMATS:
-        raise ValueError(f"state: saved cache format {fmt!r} is not one this qfilters-mlx reads "
-                         f"(formats {' and '.join(map(str, FORMATS))}); a later version wrote it: "
-                         "load it with that version, or build the prompt cache again")
-    return from_format1(meta) if fmt == 1 else meta
+    if "format" not in meta:  # format 1 has no marker
+        return from_format1(meta)
+    fmt = meta["format"]
+    if type(fmt) is not int or fmt != FORMAT:
+        raise ValueError(f"state: saved cache format {fmt!r} is not a format this version reads "
+                         f"(formats {' and '.join(map(str, FORMATS))}: format 1 has no 'format' "
+                         f"entry, format {FORMAT} the int {FORMAT}): load it with the version that "
+                         "wrote it, or build the prompt cache again")
+    return meta
 
 
 def decode(v, quantized: bool, cls_name: str) -> Snapshot:

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from qfilters_mlx.cache.journal import RewindJournal
 from qfilters_mlx.config.build import check_build
+from qfilters_mlx.config.state import build_from_state
 
 __all__ = ["QuantizedRows", "check_quantization", "pack_rows", "quantized_copy", "row_words",
            "unpack_rows"]
@@ -154,12 +155,12 @@ class QuantizedRows:
         entries after it; ``keys``/``values``: the stored rows).
 
         Raises:
-            ValueError: a bad ``kv_format``, ``kv_bits`` / ``kv_group_size`` that
-                :func:`check_quantization` refuses (or no ``kv_bits`` with stored rows), or stored
-                rows that do not match the format at those values.
+            ValueError: a bad ``kv_format``, build options that
+                :func:`~qfilters_mlx.config.build_from_state` refuses (or no ``kv_bits`` with
+                stored rows), or stored rows that do not match the format at those values.
         """
         try:
-            fmt, build = meta.get("kv_format"), meta["build"]
+            fmt, build = meta.get("kv_format"), build_from_state(meta["build"])
             if fmt is not None:
                 fmt = (int(fmt[0]), int(fmt[1]), str(fmt[2]))
                 if fmt[2] not in _DTYPES:
@@ -168,14 +169,10 @@ class QuantizedRows:
             raise ValueError(f"state: bad meta ({err})") from err
         if (keys is None) != (fmt is None):
             raise ValueError("state: meta 'kv_format' must be given exactly when rows are")
-        bits, g = build.get("kv_bits"), build.get("kv_group_size")
+        bits, g = build.kv_bits, build.kv_group_size
         if keys is not None:
             if bits is None:
                 raise ValueError("state: stored rows without kv_bits in the meta's build options")
-            try:
-                check_quantization(bits, g, 0, None)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"state: bad meta ({err})") from err
             dtype = getattr(mx, fmt[2])
             if (keys.dtype != mx.uint32 or values.dtype != mx.uint32
                     or keys.shape[3] != row_words(fmt[0], dtype, g, bits)

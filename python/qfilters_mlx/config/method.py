@@ -14,7 +14,7 @@ from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
                                               default_recent, default_sign)
 from qfilters_mlx.config.modes import STREAMING, CompressOnce, Streaming
 from qfilters_mlx.config.recent import layer_recent, resolve_recent
-from qfilters_mlx.config.removed import refuse_removed
+from qfilters_mlx.config.removed import missing_attribute, refuse_removed
 from qfilters_mlx.scorers import scorer_class
 
 
@@ -110,6 +110,11 @@ class KVCacheConfig(_Fields):
             kwargs[name] = value
         refuse_removed(kwargs)
         super().__init__(**_resolved(kwargs))
+
+    def __getattr__(self, name: str):
+        """Only called for an attribute the configuration lacks (a field read never gets
+        here): ``AttributeError``, naming where a removed 0.1/0.2 spelling is read now."""
+        raise missing_attribute(type(self).__name__, name)
 
     # -- derived values -------------------------------------------------------------------
     @property

@@ -4,8 +4,8 @@
 Format 2 (:data:`FORMAT`, written since 0.3.0): the saved meta holds ``"format": 2``,
 ``"config"`` (the fields of :class:`KVCacheConfig` by their names, the mode as
 ``{"name": "streaming"}`` or ``{"name": "compress_once", "ratio", "growth", "at"}``) and
-``"build"`` (the :class:`BuildOptions` the cache uses). Format 1 (0.1 and 0.2, no ``"format"``)
-kept one flat ``"config"`` object with the mode and the build options under their 0.1 names;
+``"build"`` (the :class:`BuildOptions` the cache uses). Format 1 (no ``"format"``; written by
+0.2.x and earlier) kept one flat ``"config"`` object with the mode and the build options under their 0.1 names;
 :func:`from_format1`, the one translator, turns such a meta into format 2.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from qfilters_mlx.config.build import BuildOptions
+from qfilters_mlx.config.build import NAMES, BuildOptions
 from qfilters_mlx.config.method import KVCacheConfig
 from qfilters_mlx.config.modes import STREAMING, CompressOnce
 from qfilters_mlx.config.removed import BUILD, MODE, REMOVED
@@ -21,7 +21,8 @@ from qfilters_mlx.config.removed import BUILD, MODE, REMOVED
 FORMAT = 2
 """The saved format written now."""
 FORMATS = (1, 2)
-"""The saved formats read (1 through :func:`from_format1`)."""
+"""The saved formats read: 1 (no ``"format"`` entry; through :func:`from_format1`) and
+:data:`FORMAT` (``"format": 2``, the int)."""
 
 _METHOD_FIELDS = ("method", "head_dim", "qfilters_budget", "qfilters_n_sink", "qfilters_recent",
                   "qfilters_calib_tokens", "qfilters_sign", "qfilters_seed",
@@ -65,8 +66,15 @@ def build_from_state(state: dict) -> BuildOptions:
     """The build options :func:`build_to_state` saved as ``state``.
 
     Raises:
-        TypeError, ValueError: an unknown option or a value :class:`BuildOptions` refuses.
+        ValueError: ``state`` is not a ``{option: value}`` object, or names an option not in
+            :data:`~qfilters_mlx.config.build.NAMES` (each named).
+        TypeError, ValueError: a value :class:`BuildOptions` refuses.
     """
+    if not isinstance(state, dict):
+        raise ValueError(f"saved build options must be an object {{option: value}}, got {state!r}")
+    unknown = sorted(set(state) - set(NAMES))
+    if unknown:
+        raise ValueError(f"saved build options {unknown} are not options (known: {list(NAMES)})")
     return BuildOptions(**state)
 
 
@@ -74,19 +82,31 @@ def from_format1(meta: dict) -> dict:
     """The format-2 meta of a format-1 saved meta ``meta`` (not changed): its flat ``"config"``
     split into the configuration's fields, the ``"mode"`` and the ``"build"`` options
     (:data:`~qfilters_mlx.config.removed.REMOVED` says where each 0.1 field went; a
-    streaming configuration's unused compress-once fields are dropped), ``"format": 2``;
-    every other entry as it was.
+    streaming configuration's ``qfilters_compress_at``, which streaming ignores, is dropped),
+    ``"format": 2``; every other entry as it was.
 
     Raises:
-        ValueError: ``meta`` has no ``"config"`` object.
+        ValueError: ``meta`` is not format 1: it has a ``"format"`` or ``"build"`` entry, or its
+            ``"config"`` is not an object, has a ``"mode"`` or lacks ``"qfilters_mode"``; or a
+            streaming configuration sets ``qfilters_compression_ratio`` / ``qfilters_growth``
+            (0.2 refused that too).
     """
     flat = meta.get("config")
     if not isinstance(flat, dict):
         raise ValueError(f"state: format-1 meta without a 'config' object (got {flat!r})")
+    given = [k for k in ("format", "build") if k in meta] + ["config.mode"] * ("mode" in flat)
+    if given or "qfilters_mode" not in flat:
+        raise ValueError(f"state: not a format-1 meta (format 1 has no 'format', 'build' or "
+                         f"'config.mode' entry and a 'config.qfilters_mode'; got "
+                         f"{given or 'no qfilters_mode'})")
     config = {k: v for k, v in flat.items() if k not in REMOVED}
     mode = {new: flat[old] for old, (part, new) in REMOVED.items() if part == MODE and old in flat}
-    mode.setdefault("name", STREAMING.name)
     if mode["name"] == STREAMING.name:
+        unused = [old for old, (part, new) in REMOVED.items()
+                  if new in ("ratio", "growth") and flat.get(old) is not None]
+        if unused:
+            raise ValueError(f"state: format-1 config sets {unused} with qfilters_mode='streaming' "
+                             "(only used with 'compress_once')")
         mode = {"name": STREAMING.name}
     config["mode"] = mode
     build = {new: flat[old] for old, (part, new) in REMOVED.items()
