@@ -37,6 +37,8 @@ Usage (resumable: cells in the output are kept; ``--report`` rewrites the tables
     python bench/bench_held_out_perplexity.py [--segments prose-0,code-difflib] [--budgets 64,128]
     python bench/bench_held_out_perplexity.py --tokens 2048 --budgets 512 \
         --out bench/results/held_out_perplexity_2k.json   # budget 512 with eviction over 1,536 tokens
+    python bench/bench_held_out_perplexity.py --model qwen2.5-coder-0.5b \
+        --out bench/results/held_out_perplexity_qwen.json   # another registered model
 
 Writes ``bench/results/held_out_perplexity.json`` and ``.md``.
 """
@@ -56,6 +58,7 @@ import common  # noqa: F401  (fast BLAS before MLX)
 import numpy as np
 from mlx_lm import load
 
+from qfilters_mlx.assets.models import get_model
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import calibration_text, source_text
 from qfilters_mlx.config import KVCacheConfig
@@ -153,7 +156,7 @@ class Arms:
 def run(a, results: dict, save) -> None:
     from qfilters_mlx.model_info import model_head_dim
 
-    model, tokenizer = load(str(prepare_model()))
+    model, tokenizer = load(str(prepare_model(a.model)))
     arms = Arms(model, tokenizer, model_head_dim(model), results)
     for seg in a.segments:
         text, where = segment_text(seg)
@@ -213,7 +216,8 @@ def statistics(results: dict) -> dict:
 
 def markdown(results: dict, st: dict) -> str:
     budgets, segs = st["budgets"], st["segments"]
-    lines = ["# Held-out perplexity: StreamingLLM, the default, the oracle (SmolLM2-135M-Instruct)", "",
+    title = get_model(results.get("model")).title
+    lines = [f"# Held-out perplexity: StreamingLLM, the default, the oracle ({title})", "",
              "Commands:", "", *[f"    {c}" for c in results["commands"]], "",
              f"Simulated streaming eviction, {PREFIX}-token first call then token by token, "
              f"{results['settings']['tokens'] - PREFIX} scored tokens per segment, 4 sinks; "
@@ -272,12 +276,14 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per segment (prefix included)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--report", action="store_true", help="only rewrite the tables from the results")
+    common.add_model_arg(p)
     a = p.parse_args()
     for s in a.segments:
         segment_text(s)  # unknown names refused before the model loads
     out = common.Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("meta", common.run_meta(python=sys.version.split()[0]))
+    common.model_of(results, a.model, out)
     settings = {"prefix": PREFIX, "tokens": a.tokens, "n_sink": N_SINK}
     if results.setdefault("settings", settings) != settings and not a.report:
         raise SystemExit(f"{out} holds results of other settings ({results['settings']}); use another --out")

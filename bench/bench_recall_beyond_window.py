@@ -30,6 +30,8 @@ Usage (resumable; ``--report`` rewrites the tables only)::
     python bench/bench_recall_beyond_window.py --kept   # is the needle in the cache at the answer?
     python bench/bench_recall_beyond_window.py --context 950 --budgets 256,128 \
         --out bench/results/recall_beyond_window_1k.json   # prompts of about 1,070 tokens
+    python bench/bench_recall_beyond_window.py --model qwen2.5-coder-0.5b \
+        --out bench/results/recall_beyond_window_qwen.json   # another registered model
 
 Writes ``bench/results/recall_beyond_window.json`` and ``.md`` (or ``--out``).
 """
@@ -49,6 +51,7 @@ from mlx_lm import load
 from scipy.stats import binomtest
 
 from bench_held_out_perplexity import Arms
+from qfilters_mlx.assets.models import get_model
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import source_text
 from qfilters_mlx.evaluation.recall import full_predictions, key_recall, needle_prompt
@@ -66,7 +69,7 @@ OUT = common.RESULTS / "recall_beyond_window.json"
 def run(a, results: dict, save) -> None:
     from qfilters_mlx.model_info import model_head_dim
 
-    model, tokenizer = load(str(prepare_model()))
+    model, tokenizer = load(str(prepare_model(a.model)))
     arms = Arms(model, tokenizer, model_head_dim(model), results)
     text = source_text()
     for off in a.offsets:
@@ -167,7 +170,8 @@ def markdown(results: dict, s: dict) -> str:
     budgets = results["settings"]["budgets"]
     ptoks = [c["prompt_tokens"] for c in P.values()]
     dist = [c["needle_distance"] for c in P.values()]
-    lines = ["# Pass-key recall beyond the recent window (SmolLM2-135M-Instruct, teacher-forced)", "",
+    title = get_model(results.get("model")).title
+    lines = [f"# Pass-key recall beyond the recent window ({title}, teacher-forced)", "",
              "Commands:", "", *[f"    {c}" for c in results["commands"]], "",
              f"{s['prompts']} prompts of {min(ptoks)}-{max(ptoks)} tokens (key {min(dist)}-{max(dist)} tokens before "
              f"the end of the prompt); the full cache recalls the key in {s['full_recalled']} of them; "
@@ -210,10 +214,12 @@ def main() -> int:
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--report", action="store_true")
     p.add_argument("--kept", action="store_true", help="only measure whether the needle is in the cache")
+    common.add_model_arg(p)
     a = p.parse_args()
     out = common.Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("meta", common.run_meta(python=sys.version.split()[0]))
+    common.model_of(results, a.model, out)
     settings = {"context": a.context, "budgets": a.budgets, "prefix": PREFIX, "n_sink": 4}
     if results.setdefault("settings", settings) != settings and not a.report:
         raise SystemExit(f"{out} holds results of other settings ({results['settings']}); use another --out")
@@ -223,7 +229,7 @@ def main() -> int:
         if command not in results.setdefault("commands", []):
             results["commands"].append(command)
         if a.kept:
-            model, tokenizer = load(str(prepare_model()))
+            model, tokenizer = load(str(prepare_model(a.model)))
             needle_kept(model, tokenizer, a, results, lambda: out.write_text(json.dumps(results)))
         else:
             run(a, results, lambda: out.write_text(json.dumps(results)))

@@ -59,13 +59,33 @@ def int_list(text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------ model and prompts
-def load_model():
-    """``(model, tokenizer)`` of SmolLM2-135M-Instruct float32 (converted on first use)."""
+def load_model(name: str | None = None):
+    """``(model, tokenizer)`` of a registered model, float32 (converted on first use; default
+    SmolLM2-135M-Instruct, :mod:`qfilters_mlx.assets.models`)."""
     import mlx_lm
 
     from qfilters_mlx.assets.prepare_model import prepare_model
 
-    return mlx_lm.load(str(prepare_model()))
+    return mlx_lm.load(str(prepare_model(name)))
+
+
+def add_model_arg(parser) -> None:
+    """``--model NAME``: a registered model (default ``smollm2-135m``)."""
+    from qfilters_mlx.assets.models import DEFAULT_MODEL, model_names
+
+    parser.add_argument("--model", choices=model_names(), default=DEFAULT_MODEL,
+                        help=f"the model (default {DEFAULT_MODEL}); give another --out")
+
+
+def model_of(results: dict, name: str, out) -> str:
+    """Record ``name`` in a resumable results dict (a file of earlier runs without one is the
+    default model's) and return the model's title; another model's file is refused
+    (``SystemExit``)."""
+    from qfilters_mlx.assets.models import DEFAULT_MODEL, get_model
+
+    if results.setdefault("model", DEFAULT_MODEL if results.get("commands") else name) != name:
+        raise SystemExit(f"{out} holds results of {results['model']}, not {name}; use another --out")
+    return get_model(name).title
 
 
 PROMPT_SOURCE = f"pydoc_data topics, tokens [{PROMPT_START}, {PROMPT_START}+N)"

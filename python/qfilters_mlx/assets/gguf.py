@@ -1,16 +1,18 @@
-"""Read a llama GGUF file as Hugging Face llama weights and config.
+"""Read a GGUF file as Hugging Face weights and an mlx-lm config, with llama.cpp's ``gguf`` package.
 
 Sources:
 
 * GGUF file format, tensor names and metadata keys: ggml's ``docs/gguf.md``
-  (github.com/ggml-org/ggml). ``mlx.core.load`` reads GGUF and returns
-  Q4_0 / Q4_1 / Q8_0 tensors as MLX affine-quantized triples
-  (``packed uint32 weight, scales, biases``, group size 32).
-* llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of the query and key
-  projections of llama models (``LlamaModel.permute``) so that its RoPE can
-  rotate adjacent pairs; :func:`unpermute_rows` applies the inverse, giving
-  the Hugging Face layout (RoPE on the two halves of each head,
-  ``rope_traditional = False`` in mlx-lm).
+  (github.com/ggml-org/ggml). The file is read with ``gguf.GGUFReader`` (memory-mapped) and each
+  tensor dequantized to float32 with ``gguf.quants.dequantize`` (every ggml type: Q4_0, Q4_1,
+  Q5_0, Q8_0, the K-quants, F16, ...).
+* llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of the query and key projections of
+  *llama* models (``LlamaModel.permute``) so that its RoPE can rotate adjacent pairs;
+  :func:`unpermute_rows` applies the inverse, giving the Hugging Face layout (RoPE on the two
+  halves of each head, ``rope_traditional = False`` in mlx-lm). qwen2 is stored unpermuted.
+
+Supported architectures (:data:`ARCHITECTURES`): ``llama`` (SmolLM2) and ``qwen2``
+(Qwen2.5, q/k/v biases).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["dequantized_weights", "hf_name", "metadata_scalar", "read_llama_gguf", "token_id",
+__all__ = ["ARCHITECTURES", "dequantized", "hf_name", "read_gguf", "read_metadata", "token_id",
            "unpermute_rows"]
 
-# GGUF tensor-name parts -> Hugging Face llama module names.
+# GGUF tensor-name parts -> Hugging Face module names (llama and qwen2 share them).
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -40,12 +42,19 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Block size of GGUF's Q4_0, Q4_1 and Q8_0 formats (values per scale).
-_GGUF_BLOCK = 32
+
+#: Per GGUF architecture: the Hugging Face class, whether q/k rows are permuted in the file, and
+#: the config keys fixed by the architecture.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": {"class": "LlamaForCausalLM", "permuted_qk": True,
+              "config": {"attention_bias": False, "mlp_bias": False}},
+    "qwen2": {"class": "Qwen2ForCausalLM", "permuted_qk": False,
+              "config": {"use_sliding_window": False}},
+}
 
 
-def unpermute_rows(w, n_heads: int):
-    """Undo llama.cpp's row permutation of a query or key projection.
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a llama query or key projection.
 
     llama.cpp stores ``w.reshape(h, 2, d//2, in).swapaxes(1, 2)`` (pairs of
     rotary dimensions interleaved within each head); this returns the Hugging
@@ -65,82 +74,82 @@ def unpermute_rows(w, n_heads: int):
 
 
 def hf_name(gguf_name: str) -> str:
-    """Hugging Face llama name for a GGUF tensor name (``blk.3.attn_q.weight``)."""
+    """Hugging Face name for a GGUF tensor name (``blk.3.attn_q.weight``, ``blk.3.attn_q.bias``)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a llama model")
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
-def metadata_scalar(value: Any) -> Any:
-    """Python value of a GGUF metadata scalar (``mx.load`` gives 0-d arrays).
+def read_metadata(reader) -> dict[str, Any]:
+    """The key-value metadata of a ``gguf.GGUFReader`` as Python values (``GGUF.*`` header
+    fields left out). float32 values are rounded to their shortest decimal form (1e-05, not
+    9.999999747378752e-06); arrays become lists."""
+    from gguf import GGUFValueType
 
-    float32 values are rounded to their shortest decimal form (1e-05, not
-    9.999999747378752e-06).
-    """
-    if not hasattr(value, "item"):
-        return value
-    if getattr(value, "dtype", None) is not None and "float" in str(value.dtype):
-        return float(np.format_float_positional(np.float32(value.item()), trim="-"))
-    return value.item()
-
-
-def dequantized_weights(tensors: dict) -> dict:
-    """Float32 tensors keyed by GGUF name.
-
-    ``mx.load`` returns each Q4_0 / Q4_1 / Q8_0 tensor as ``name.weight``
-    (packed uint32) plus ``name.scales`` and ``name.biases``; the bit width is
-    ``32 * packed_columns / (scale_columns * 32)``.
-    """
-    import mlx.core as mx
-
-    out = {}
-    for name, value in tensors.items():
-        if name.endswith((".scales", ".biases")):
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
             continue
-        base = name[: -len(".weight")] if name.endswith(".weight") else None
-        if base is not None and f"{base}.scales" in tensors:
-            scales = tensors[f"{base}.scales"]
-            bits = value.shape[-1] * 32 // (scales.shape[-1] * _GGUF_BLOCK)
-            value = mx.dequantize(
-                value,
-                scales,
-                tensors.get(f"{base}.biases"),
-                group_size=_GGUF_BLOCK,
-                bits=bits,
-            )
-        out[name] = value.astype(mx.float32)
+        value = field.contents()
+        if field.types == [GGUFValueType.FLOAT32]:
+            value = float(np.format_float_positional(np.float32(value), trim="-"))
+        out[name] = value
     return out
+
+
+def dequantized(tensor) -> np.ndarray:
+    """A ``gguf.ReaderTensor`` as a float32 array of shape ``reversed(tensor.shape)``
+    (``(out, in)`` for a matrix: GGUF lists dimensions innermost first).
+
+    Raises:
+        ValueError: the dequantized size does not match the tensor's shape.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        values = np.array(tensor.data, dtype=np.float32)  # a copy: the file may be deleted after
+    else:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    if values.size != int(np.prod(shape)):
+        raise ValueError(f"{tensor.name}: {values.size} values after dequantization, shape {shape}")
+    return values.reshape(shape)
 
 
 def token_id(meta: dict, key: str) -> int | None:
     """Id of ``tokenizer.ggml.<key>_token_id`` (bos, eos, padding, unknown), if present."""
     value = meta.get(f"tokenizer.ggml.{key}_token_id")
-    return None if value is None else int(metadata_scalar(value))
+    return None if value is None else int(value)
 
 
-def read_llama_gguf(gguf_path: Path) -> tuple[dict, dict, dict]:
-    """Float32 weights under Hugging Face llama names, the ``config.json`` dict, and the metadata.
+def read_gguf(gguf_path: str | Path) -> tuple[dict[str, np.ndarray], dict, dict]:
+    """Float32 weights under Hugging Face names, the mlx-lm ``config.json`` dict, and the metadata.
 
-    All tensors are dequantized to float32 (:func:`dequantized_weights`), renamed
-    (:func:`hf_name`), and the q/k rows are un-permuted (:func:`unpermute_rows`);
+    Every tensor is dequantized to float32 (:func:`dequantized`) and renamed (:func:`hf_name`);
+    for ``llama`` the q/k rows are un-permuted (:func:`unpermute_rows`);
     ``tie_word_embeddings`` is true when the file has no ``output`` tensor.
 
     Returns:
-        ``(weights, config, meta)``: ``{name: mx.array float32}``, the mlx-lm
-        ``config.json`` contents, and the raw GGUF metadata (``mx.load`` values).
+        ``(weights, config, meta)``: ``{name: np.ndarray float32}``, the ``config.json``
+        contents, and the GGUF metadata (:func:`read_metadata`).
 
     Raises:
-        ValueError: not a llama model, or a required metadata key is missing.
+        ValueError: an architecture outside :data:`ARCHITECTURES`, a required metadata key
+            missing, or an unexpected tensor name.
     """
-    import mlx.core as mx
+    from gguf import GGUFReader
 
-    tensors, meta = mx.load(str(gguf_path), return_metadata=True)
-    arch = metadata_scalar(meta.get("general.architecture"))
-    if arch != "llama":
-        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
+    reader = GGUFReader(str(gguf_path))
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported "
+                         f"(only {', '.join(ARCHITECTURES)})")
+    rules = ARCHITECTURES[arch]
 
     def hparam(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}")
@@ -148,22 +157,23 @@ def read_llama_gguf(gguf_path: Path) -> tuple[dict, dict, dict]:
             if default is None:
                 raise ValueError(f"{gguf_path}: metadata '{arch}.{key}' is missing")
             return default
-        return metadata_scalar(value)
+        return value
 
     n_heads = int(hparam("attention.head_count"))
     n_kv_heads = int(hparam("attention.head_count_kv", n_heads))
     hidden = int(hparam("embedding_length"))
-    weights = {}
-    for name, value in dequantized_weights(tensors).items():
-        if name.endswith("attn_q.weight"):
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        value = dequantized(tensor)
+        if rules["permuted_qk"] and tensor.name.endswith("attn_q.weight"):
             value = unpermute_rows(value, n_heads)
-        elif name.endswith("attn_k.weight"):
+        elif rules["permuted_qk"] and tensor.name.endswith("attn_k.weight"):
             value = unpermute_rows(value, n_kv_heads)
-        weights[hf_name(name)] = value
-    del tensors
+        weights[hf_name(tensor.name)] = np.ascontiguousarray(value)
+    del reader
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [rules["class"]],
+        "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(hparam("feed_forward_length")),
         "num_hidden_layers": int(hparam("block_count")),
@@ -175,10 +185,9 @@ def read_llama_gguf(gguf_path: Path) -> tuple[dict, dict, dict]:
         "rope_theta": float(hparam("rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "max_position_embeddings": int(hparam("context_length")),
-        "vocab_size": int(hparam("vocab_size", len(list(meta["tokenizer.ggml.tokens"])))),
+        "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
         "tie_word_embeddings": "lm_head.weight" not in weights,
-        "attention_bias": False,
-        "mlp_bias": False,
+        **rules["config"],
         "bos_token_id": token_id(meta, "bos"),
         "eos_token_id": token_id(meta, "eos"),
         "pad_token_id": token_id(meta, "padding"),

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from qfilters_mlx.commands.model_path import resolve_model
+from qfilters_mlx.commands.model_path import MODEL_HELP, resolve_model
 from qfilters_mlx.filters.default_filters import encode_quietly
 
 __all__ = ["add_parser", "encode_quietly", "progress_chunks", "run"]
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
         ),
     )
     cal.set_defaults(_parser=cal, _run=run)
-    cal.add_argument("--model", default=None, help="mlx-lm model folder (default: SmolLM2)")
+    cal.add_argument("--model", default=None, help=MODEL_HELP)
     cal.add_argument("--text", default=None, metavar="FILE",
                      help="UTF-8 calibration text (default: a span of CPython's pydoc_data "
                           "reference text disjoint from the evaluation text and the shipped prompt)")

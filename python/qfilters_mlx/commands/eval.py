@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from qfilters_mlx.commands.model_path import MODEL_HELP
+
 PARTS = "score_quality,perplexity,retrieval,protocols"
 """Every measure, cheap ones first; ``protocols``: retrieval in the streaming and the
 compress-once protocol (:mod:`qfilters_mlx.evaluation.protocols`)."""
@@ -39,7 +41,7 @@ def add_parser(sub) -> None:
         ),
     )
     ev.set_defaults(_parser=ev, _run=run)
-    ev.add_argument("--model", default=None, help="mlx-lm model folder (default: prepared SmolLM2)")
+    ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--out", default=None, metavar="JSON",
                     help="results file (default bench/results/eval_smollm2.json, or eval_quick.json "
                          "with --quick); the .md table and .png plot are written next to it")

