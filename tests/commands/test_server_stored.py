@@ -13,6 +13,10 @@ The rules written out here:
 * reuse: a regenerated answer and a follow-up turn reuse what mlx-lm's full caches reuse
   (``len(prompt) - 1`` and the whole stored answer), with the cache a fresh one fed the same
   calls would have;
+* warm equals cold: a prompt that leaves a stored entry inside its last recorded call is
+  served from the nearest point the cold run also passes (a call boundary of both), so its
+  greedy tokens and cache are the cold run's; a second follow-up of the same turn continues
+  from the turn (the chat loop's cache: the turn, then the follow-up's tokens);
 * bounds: answers and checkpoints by count, all entries by bytes, at every insert, oldest first.
 """
 
@@ -178,14 +182,15 @@ def _store(max_size=10, max_bytes=None):
     return prompt_cache_class(cache_module)(max_size, max_bytes)
 
 
-def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0):
+def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0, fresh=None):
     """What the server's batch loop does for one chat request: reuse the nearest stored
     entry, feed the rest (segments: system prompt, prompt but its last token, in one call
-    each), store the checkpoints, decode ``answer_tokens`` tokens and store the answer.
+    each), store the checkpoints, decode ``answer_tokens`` tokens and store the answer
+    (``fresh``: builds the caches of a request with nothing reused; default: ours).
     Returns (tokens reused, the answer's tokens)."""
     cache, rest = store.fetch_nearest_cache("m", prompt)
     reused = len(prompt) - len(rest)
-    caches = cache if cache is not None else _build(model, cfg)
+    caches = cache if cache is not None else (fresh or (lambda: _build(model, cfg)))()
     segments = [(prompt[:sys_end], "system"), (prompt[sys_end:-1], "user")]
     done = 0
     for seg, kind in segments:
@@ -326,3 +331,108 @@ def test_the_trie_search_is_linear_in_a_long_stored_entry():
 
     small, large = cost(4_000), cost(40_000)
     assert large < 40 * small, (small, large)
+
+
+def _entry(store, tokens):
+    return store._trie.get("m", tokens).prompt_cache
+
+
+def _differs(a, b) -> bool:
+    """Kept positions, K/V or scores of some layer differ beyond float32 rounding."""
+    for x, y in zip(a, b):
+        if x.offset != y.offset or not mx.array_equal(x.kept_positions(), y.kept_positions()).item():
+            return True
+        if any(not mx.allclose(u, v, rtol=1e-5, atol=1e-4).item() for u, v in zip(x.state[:3], y.state[:3])):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("edit_at,answer", [(2, 4), (3, 5), (5, 2)])
+def test_an_edited_prompt_gets_the_cold_runs_greedy_tokens_and_cache(edit_at, answer):
+    """A prompt longer than the budget, answered; then the same prompt with its last
+    ``edit_at`` tokens edited: it diverges within the stored answer's rewind reach, inside the
+    recorded call that prefilled the prompt. Served warm it gets the cold run's greedy tokens
+    and cache (from the system checkpoint: the nearest point both runs pass). The control:
+    the rewind that ends inside the recorded call (what the store did before) re-applies the
+    call's head as one evicting call and gives another cache than the cold run's."""
+    model = tiny_llama()
+    cfg = config()
+    system = _tokens(6, 0)
+    prompt = system + _tokens(40, 1)
+    edited = prompt[:-edit_at] + [prompt[-edit_at] % 89 + 1] + _tokens(edit_at - 1, 77)
+    split = len(prompt) - edit_at
+    deep = dict(sys_end=6, fresh=lambda: _build(model, cfg, rewind=64))  # (the call is journaled)
+    warm = _store()
+    _, out = _serve(warm, model, cfg, prompt, answer, **deep)
+    stored = copy.deepcopy(_entry(warm, prompt + out))
+    need = len(prompt) + len(out) - split
+    assert 0 < need <= min(c.rewindable_tokens for c in stored)  # (the store could rewind there)
+    reused, out_warm = _serve(warm, model, cfg, edited, 8, **deep)
+    cold = _store()
+    _, out_cold = _serve(cold, model, cfg, edited, 8, **deep)
+    assert reused == 6, reused
+    assert out_warm == out_cold
+    _same(_entry(warm, edited + out_warm), _entry(cold, edited + out_cold))
+    assert all(c.trim(need) == need for c in stored)  # the control
+    model(mx.array([edited[split:-1]]), cache=stored)
+    assert _differs(stored, _run(model, cfg, [edited[:6], edited[6:-1]], rewind=64))
+
+
+def test_a_second_follow_up_of_the_same_turn_continues_from_the_turn():
+    """Two follow-ups of one turn sent one after the other (they share the turn and two more
+    tokens; the first follow-up's own tokens are within the rewind depth). mlx-lm's rule (its
+    ``LRUPromptCache`` with full caches, run here): the second reuses its longest common
+    prefix with a stored entry, the turn and the two tokens. Ours reuses the turn: the
+    nearest point below that where a request continued (the first follow-up's stored entry
+    rewound over its own call and answer), and the cache is the chat loop's with one cache
+    over the turns (the turn, then the second follow-up's tokens)."""
+    model = tiny_llama()
+    cfg = config()
+    system = _tokens(6, 0)
+    prompt = system + _tokens(40, 1)
+    follow = (_tokens(6, 5), _tokens(6, 6))
+    reused, answers, stores = {}, {}, {}
+    for name, store, fresh in (("ours", _store(), lambda: _build(model, cfg, rewind=64)),
+                               ("mlx_lm", cache_module.LRUPromptCache(10),
+                                lambda: cache_module.make_prompt_cache(model))):
+        _, out = _serve(store, model, cfg, prompt, 4, sys_end=6, fresh=fresh)
+        turn = prompt + out
+        first, _ = _serve(store, model, cfg, turn + [50, 51] + follow[0], 4, sys_end=6, fresh=fresh)
+        assert first == len(turn), (name, first)
+        reused[name], answers[name] = _serve(store, model, cfg, turn + [50, 51] + follow[1], 4,
+                                             sys_end=6, fresh=fresh)
+        stores[name] = (store, out)
+    store, out = stores["ours"]
+    turn = prompt + out
+    assert reused["mlx_lm"] == len(prompt + stores["mlx_lm"][1]) + 2
+    assert reused["ours"] == len(turn)
+    last = turn + [50, 51] + follow[1]
+    chat = _run(model, cfg, [prompt[:6], prompt[6:-1]], decode=[prompt[-1], *out], rewind=64)
+    model(mx.array([last[len(turn):-1]]), cache=chat)
+    for t in [last[-1], *answers["ours"]]:
+        model(mx.array([[t]]), cache=chat)
+    _same(_entry(store, last + answers["ours"]), chat)
+
+
+def test_a_continued_conversation_is_the_chat_loop_with_one_cache_over_the_turns():
+    """Three turns, each a follow-up of the stored answer before it: every answer and stored
+    cache is the chat loop's (``docs/getting-started.md``: one cache; each turn feeds its new
+    tokens but the last in one call, then decodes), and each turn reuses the whole turn
+    before it."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    chat = _build(model, cfg)
+    tokens, fed = _tokens(30, 1), 0
+    for turn in range(3):
+        reused, out = _serve(store, model, cfg, tokens, 5, sys_end=0)
+        assert reused == fed
+        model(mx.array([tokens[fed:-1]]), cache=chat)
+        y, loop = tokens[-1], []
+        for _ in range(5):
+            y = int(mx.argmax(model(mx.array([[y]]), cache=chat)[0, -1]).item())
+            loop.append(y)
+        model(mx.array([[y]]), cache=chat)
+        assert out == loop
+        _same(_entry(store, tokens + out), chat)
+        tokens, fed = tokens + out + _tokens(12, 10 + turn), len(tokens) + len(out)

@@ -25,10 +25,15 @@ to the shared prefix). Here, for eviction caches:
 * **bounds**, checked whenever an entry is stored, oldest dropped first (mlx-lm's order):
   ``max_size`` answers (``--prompt-cache-size``), ``max_size`` checkpoints, and
   ``max_bytes`` bytes (``--prompt-cache-bytes``) over all entries.
-* **reuse**: ``longer`` (a trim of a stored entry) only when every cache of the entry can
-  rewind the tokens it must (:func:`rewind_reach`), checked to have removed exactly that
-  many; otherwise the longest stored prefix, as mlx-lm does for untrimmable caches. No trim
-  a cache cannot do is ever attempted. The last prompt token is always left to compute.
+* **reuse**: the longest stored prefix of the prompt continues as is (a follow-up turn: the
+  conversation goes on as the library's chat loop with one cache over the turns would).
+  ``longer`` (a stored entry rewound back into the prompt) only to a token count the entry
+  reaches without splitting a recorded call and that the prompt's cold run also passes
+  (:func:`rewind_target`: a multiple of the prefill step, the prompt's last token, or the
+  end of an entry stored here, where a request stopped and the next one continued), so the
+  answer is the cold run's; checked to have removed exactly that many. Otherwise the longest
+  stored prefix, as mlx-lm does for untrimmable caches. No trim a cache cannot do is ever
+  attempted. The last prompt token is always left to compute.
 * **prefill**: :func:`prefill_segments` cuts a prompt's segments at every multiple of the
   prefill step (``--prefill-step-size``), so that the prompt is processed in the calls
   ``mlx_lm.generate`` (and ``qfilters-mlx generate``) makes: ``[0, step)``, ``[step, 2
@@ -43,15 +48,21 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections import OrderedDict
 
 __all__ = ["CHECKPOINT_TYPES", "PREFILL", "drops_prefix", "journal_rows", "prefill_segments",
-           "process_memory", "prompt_cache_class", "request_summary", "rewind_reach", "stored_rows"]
+           "process_memory", "prompt_cache_class", "request_summary", "rewind_reach", "rewind_target",
+           "stored_rows"]
 
 CHECKPOINT_TYPES = ("user", "system")
 """mlx-lm's cache types of prompt checkpoints."""
 
 PREFILL = "prefill"
 """Cache type of a cut made only to align prefill calls: never stored."""
+
+TURN_ENDS_KEPT = 4096
+"""Stored entries remembered as turn ends (token count and hash of their tokens: where a
+request stopped and a later one may have continued), newest kept."""
 
 
 def prefill_segments(segments, types, step: int):
@@ -112,6 +123,38 @@ def rewind_reach(caches) -> float:
         elif not c.is_trimmable():
             return 0
     return reach
+
+
+def rewind_target(caches, length: int, prefix: int, floor: int, accept) -> int | None:
+    """Where to rewind a stored entry (``caches`` holding ``length`` tokens) for a prompt that
+    shares ``prefix`` tokens with it: the largest token count ``t`` with ``floor < t <=
+    prefix`` that the entry reaches without re-applying part of a recorded call and that
+    ``accept(t)`` (a call boundary the cold run of the prompt also has); ``None``: none.
+
+    Before any eviction every count within reach is exact and the same as a cold run's
+    (nothing was dropped, so how the prompt was cut into calls changed nothing kept). After
+    one, only where a journaled call or decode step starts (the same in every layer): a rewind
+    that ends inside a recorded call re-applies its head as one evicting call, which the cold
+    run never makes.
+    """
+    reach = rewind_reach(caches)
+    lo = length - min(reach, length)
+    ours = [c for c in caches if hasattr(c, "rewindable_tokens")]
+    if not any(getattr(c, "evicted", False) for c in ours):
+        t = min(prefix, length)
+        return t if t > floor and t >= lo else None
+    bounds, pos = [length], length
+    for rec in reversed(ours[0]._journal.records):
+        if rec.tokens == 0:
+            continue  # (a slot-layout switch: no token)
+        pos -= rec.tokens
+        if pos < lo:
+            break
+        bounds.append(pos)
+    for t in bounds:  # (newest first: the largest count first)
+        if floor < t <= prefix and accept(t):
+            return t
+    return None
 
 
 def journal_rows(cache) -> int:
@@ -194,6 +237,18 @@ def prompt_cache_class(cache_module):
             super().__init__(max_size, 1 << 63 if max_bytes is None else int(max_bytes))
             self._trie = LinearTrie()
             self.finishing = False
+            self.prefill_step = 0
+            self._turn_ends = OrderedDict()  # (model, length, hash of an entry's tokens) -> None
+
+        def _is_turn_end(self, model, tokens) -> bool:
+            """Whether ``tokens`` are those of an entry stored here (now or before): a point
+            where a request stopped (a checkpoint, an answer) and the next one continued."""
+            return (model, len(tokens), hash(tuple(tokens))) in self._turn_ends
+
+        def _turn_ended(self, model, tokens) -> None:
+            self._turn_ends[(model, len(tokens), hash(tuple(tokens)))] = None
+            while len(self._turn_ends) > TURN_ENDS_KEPT:
+                self._turn_ends.popitem(last=False)
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             done, self.finishing = self.finishing, False
@@ -202,6 +257,7 @@ def prompt_cache_class(cache_module):
             for c in prompt_cache:
                 if hasattr(c, "shrink_to_fit"):
                     c.shrink_to_fit(journal_rows(c))
+            self._turn_ended(model, tokens)
             reach = rewind_reach(prompt_cache)
             entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type)
             prefixes = self._trie.prefixes(model, tokens)
@@ -259,11 +315,18 @@ def prompt_cache_class(cache_module):
             if result.longer is not None:
                 prefix = result.common_prefix  # (at most len(head): mlx-lm's min(len - 1, .))
                 entry = self._trie.get(result.model, result.longer)
-                need = len(result.longer) - prefix
-                if prefix > short and rewind_reach(entry.prompt_cache) >= need:
+                step = self.prefill_step
+
+                def cold(t):  # a boundary of the prompt's own calls, or where a turn ended
+                    return ((step > 0 and t % step == 0) or t == len(head)
+                            or self._is_turn_end(result.model, tokens[:t]))
+
+                target = rewind_target(entry.prompt_cache, len(result.longer), prefix, short, cold)
+                if target is not None:
+                    need = len(result.longer) - target
                     cache = copy.deepcopy(entry.prompt_cache)
                     if all(c.trim(need) == need for c in cache):
-                        return cache, tokens[prefix:]
+                        return cache, tokens[target:]
                     logging.warning("qfilters-mlx: a stored cache trimmed fewer tokens than it "
                                     "reported it could; using a shorter stored prefix")
             if short > 0:

@@ -102,6 +102,8 @@ def generator_class(server):
             limit = getattr(model_provider.cli_args, "prompt_cache_bytes", None)
             if limit is not None and hasattr(prompt_cache, "stored_stats"):
                 prompt_cache.max_bytes = int(limit)  # (checked at every insert)
+            if hasattr(prompt_cache, "prefill_step"):
+                prompt_cache.prefill_step = int(model_provider.cli_args.prefill_step_size or 0)
             super().__init__(model_provider, prompt_cache)
             self._loaded.wait()
             if self._load_error is not None:  # the served model or its --filters: no server
