@@ -82,19 +82,25 @@ def test_stored_conversations_never_ask_for_a_rewind_the_cache_cannot_do():
 
     model = tiny_llama()
     store = prompt_cache_class(cache_module)()
+    store.prefill_step = 12
     cfg = config()
     toks = list(range(1, 41))
-    head = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
-    model(mx.array([toks[:10]]), cache=head)
-    store.insert_cache("m", toks[:10], head, cache_type="system")
+    for _ in range(2):  # (a system prompt's checkpoint is stored once a second request repeats it)
+        head = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
+        model(mx.array([toks[:10]]), cache=head)
+        store.insert_cache("m", toks[:10], head, cache_type="system")
     full = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
-    model(mx.array([toks[:36]]), cache=full)
-    model(mx.array([toks[36:]]), cache=full)
+    for a in range(0, 40, 12):  # the calls of a 12-token prefill step
+        model(mx.array([toks[a:a + 12]]), cache=full)
     assert full[0].evicted and rewind_reach(full) == 4
     store.insert_cache("m", toks, full)
     assert len(store) == 2  # the 10-token prefix is 30 tokens back: kept
-    cache, rest = store.fetch_nearest_cache("m", toks[:37] + [99, 98])  # 3 back: a rewind
-    assert rest == [99, 98] and cache[0].offset == 37
+    cache, rest = store.fetch_nearest_cache("m", toks[:36] + [99, 98])  # 4 back: a rewind
+    assert rest == [99, 98] and cache[0].offset == 36
+    # 2 back, inside the recorded call [36, 40): rewound to its start, a call boundary the
+    # prompt's cold run also has (a multiple of the step), never into the call
+    cache, rest = store.fetch_nearest_cache("m", toks[:38] + [99, 98])
+    assert rest == toks[36:38] + [99, 98] and cache[0].offset == 36
     cache, rest = store.fetch_nearest_cache("m", toks[:20] + [99])  # 20 back: the prefix instead
     assert rest == toks[10:20] + [99] and cache[0].offset == 10
 

@@ -23,6 +23,7 @@ The rules written out here:
 import copy
 import gc
 import random
+import sys
 
 import mlx.core as mx
 import mlx_lm.models.cache as cache_module
@@ -230,7 +231,11 @@ def test_a_conversation_holds_a_checkpoint_and_its_answer_at_most(answer):
             assert stored_rows(store._trie.get(m, t).prompt_cache) <= BUDGET + 1 + REWIND
     per_entry = max(sum(c.nbytes for c in store._trie.get(m, t).prompt_cache)
                     for lru in store._lru._lrus.values() for m, t in lru)
-    assert st_["bytes"] <= 3 * (2 if answer + 1 > REWIND else 1) * per_entry + per_entry
+    assert st_["bytes"] - st_["index_bytes"] <= 3 * (2 if answer + 1 > REWIND else 1) * per_entry + per_entry
+    keys = [t for lru in store._lru._lrus.values() for _, t in lru]
+    nodes = len({tuple(t[:i]) for t in keys for i in range(1, len(t) + 1)})  # (the trie's nodes)
+    index = nodes * sys.getsizeof({0: {}}) + sum(sys.getsizeof(t) + 28 * len(t) for t in keys)
+    assert st_["index_bytes"] == index and st_["bytes"] == store._n_bytes + nodes * sys.getsizeof({0: {}})
     # a follow-up turn of the first conversation: its older entries go
     first = system + _tokens(40, 10)
     _, out = _serve(store, model, cfg, first, answer, sys_end=6)
@@ -243,8 +248,9 @@ def test_a_conversation_holds_a_checkpoint_and_its_answer_at_most(answer):
 @pytest.mark.parametrize("answer", [4, 12])
 def test_regenerated_answers_follow_ups_and_shared_system_prompts_reuse_like_a_full_cache(answer):
     """The reuse mlx-lm's full caches get (``min(len(prompt) - 1, shared)``) for a regenerated
-    answer, a follow-up turn and a new conversation under the same system prompt (which shares
-    ``sys_end`` tokens), with the cache of a fresh run fed the same calls."""
+    answer, a follow-up turn and a new conversation under a system prompt (``sys_end`` tokens)
+    that a second conversation computed before it (a system prompt's checkpoint is stored
+    once a second request repeats it), with the cache of a fresh run fed the same calls."""
     model = tiny_llama()
     cfg = config()
     store = _store()
@@ -258,9 +264,12 @@ def test_regenerated_answers_follow_ups_and_shared_system_prompts_reuse_like_a_f
     follow = prompt + out + _tokens(20, 2)
     cache, rest = store.fetch_nearest_cache("m", follow)
     assert len(follow) - len(rest) == len(prompt) + len(out)
+    # the system prompt's checkpoint is stored once a second request computes it
     other = system + _tokens(30, 3)
-    cache, rest = store.fetch_nearest_cache("m", other)
-    assert len(other) - len(rest) == 6
+    assert _serve(store, model, cfg, other, answer, sys_end=6)[0] == 0
+    third = system + _tokens(30, 4)
+    cache, rest = store.fetch_nearest_cache("m", third)
+    assert len(third) - len(rest) == 6
     _same(cache, _run(model, cfg, [system]))
 
 
@@ -436,3 +445,30 @@ def test_a_continued_conversation_is_the_chat_loop_with_one_cache_over_the_turns
         assert out == loop
         _same(_entry(store, tokens + out), chat)
         tokens, fed = tokens + out + _tokens(12, 10 + turn), len(tokens) + len(out)
+
+
+@pytest.mark.parametrize("answer,checkpoint_stays", [(12, False), (30, True)])
+def test_an_answer_keeps_its_decode_steps_instead_of_its_checkpoint_when_they_are_fewer_rows(
+        answer, checkpoint_stays):
+    """Caches journaling ``budget + 1`` tokens while they generate (the server's default), a
+    stored checkpoint keeping REWIND rows: an answer whose decode steps (one row each) back to
+    its prompt are fewer rows than the prompt checkpoint keeps them and the checkpoint goes;
+    the regenerated answer is then served by rewinding the steps, to the cache of a fresh run
+    fed the same calls. A longer answer (its steps are no longer journaled) leaves the
+    checkpoint stored. The first system prompt is not stored (no second request repeated it)."""
+    model = tiny_llama()
+    cfg = config()
+    store = prompt_cache_class(cache_module, REWIND)()
+    deep = lambda: _build(model, cfg, rewind=BUDGET + 1)  # noqa: E731
+    prompt = _tokens(6, 0) + _tokens(40, 1)
+    _, out = _serve(store, model, cfg, prompt, answer, sys_end=6, fresh=deep)
+    st_ = store.stored_stats()
+    assert (st_["conversations"], st_["checkpoints"]) == (1, 1 if checkpoint_stays else 0)
+    entry = _entry(store, prompt + out)
+    journal = max(sum(record_rows(r) for r in c._journal.records) for c in entry)
+    # (answer + 1 steps: one row each but the step that entered slot mode, which keeps the
+    # score and position buffers before it)
+    assert journal == (REWIND if checkpoint_stays else answer)
+    cache, rest = store.fetch_nearest_cache("m", prompt)  # the same prompt again
+    assert len(rest) == 1
+    _same(cache, _run(model, cfg, [prompt[:6], prompt[6:-1]], rewind=BUDGET + 1))

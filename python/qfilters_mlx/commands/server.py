@@ -47,20 +47,28 @@ import logging
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser",
+__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "answer_journal",
            "context_length", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
 _BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by run; None: defaults)
 
 DEFAULT_MAX_REWIND = 64
-"""Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
-otherwise, and a draft model may propose up to this many tokens. Each stored cache keeps at
-most this many rows of rewind journal besides its budget, so a stored conversation is reused by
+"""Tokens a stored checkpoint rewinds exactly after an eviction, unless ``--max-rewind`` says
+otherwise. Each stored checkpoint keeps at most this many rows of rewind journal besides its
+budget (a stored answer: this many, or the decode steps back to its prompt when they are
+fewer rows than its prompt checkpoint: :func:`answer_journal`), so a stored conversation is reused by
 a prompt that leaves it up to this many tokens before its end (a regenerated answer of up to
 this many tokens), fewer when its last calls evicted more rows than that (a multi-token call
 keeps the rows it dropped: a prompt's last prefill call usually cannot be rewound at rest). Cost (decode speed, bytes):
 bench/results/server_soak.md."""
+
+def answer_journal(config) -> int:
+    """Tokens the server's caches journal while they generate when ``--max-rewind`` is not
+    given: ``budget + 1``, so a stored answer shorter than that can keep the decode steps back
+    to its prompt (one K/V row each) instead of its prompt checkpoint (``budget`` rows)."""
+    return int(getattr(config, "qfilters_budget", 0) or 0) + 1
+
 
 DEFAULT_PROMPT_CACHE_SIZE = 30
 """Stored conversations kept (mlx-lm's default is 10 for full caches)."""
@@ -161,7 +169,7 @@ def _served(cache_args, model_path):
                   max_prompt_tokens=cache_args.max_prompt_tokens)
 
 
-def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None):
+def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_at_rest=None):
     """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
     import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
@@ -217,7 +225,7 @@ def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None):
                 self.served.max_prompt_tokens = (max_prompt_tokens if max_prompt_tokens is not None
                                                  else context_length(self.model))
 
-    prompt_cache = prompt_cache_class(cache_module)
+    prompt_cache = prompt_cache_class(cache_module, journal_at_rest)
     handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES)
     return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
 
@@ -270,10 +278,13 @@ def run(parser, args, blas_library: str | None = None) -> int:
     if quantized and cache_args.draft_model is not None and scorer_class(cache_args.method).evicts:
         ours.error("--kv-bits with --draft-model: a quantized eviction cache cannot rewind the "
                    "rejected draft tokens; drop one of them")
+    at_rest = None  # journal rows a stored checkpoint keeps (None: each cache's max_rewind)
     if cache_args.max_rewind is None and scorer_class(cache_args.method).evicts and not quantized:
-        cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
-                                    if cache_args.draft_model is not None else 0)
+        at_rest = cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
+                                              if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
+    if at_rest is not None:  # decode steps journaled back to the prompt while cheaper than
+        cache_args.max_rewind = max(at_rest, answer_journal(_CONFIG))  # its checkpoint
     _BUILDER = builder_from_args(ours, cache_args)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
@@ -291,9 +302,10 @@ def run(parser, args, blas_library: str | None = None) -> int:
     else:
         rest.append("--help")
     server, provider, prompt_cache, generator, handler = _classes(
-        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens)
+        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens, at_rest)
     options = _builder().options_for(_CONFIG)
-    print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind} "
+    rest_note = f" (stored checkpoints keep {at_rest})" if at_rest is not None else ""
+    print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind}{rest_note} "
           f"backend={options.backend}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
     http = server._run_http_server

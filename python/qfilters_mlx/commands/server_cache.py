@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import sys
 from collections import OrderedDict
 
 __all__ = ["CHECKPOINT_TYPES", "PREFILL", "drops_prefix", "journal_rows", "prefill_segments",
@@ -59,6 +60,9 @@ CHECKPOINT_TYPES = ("user", "system")
 
 PREFILL = "prefill"
 """Cache type of a cut made only to align prefill calls: never stored."""
+
+INT_BYTES = sys.getsizeof(2**16)
+"""Bytes of one token id's int object (28 on 64-bit CPython)."""
 
 TURN_ENDS_KEPT = 4096
 """Stored entries remembered as turn ends (token count and hash of their tokens: where a
@@ -157,6 +161,34 @@ def rewind_target(caches, length: int, prefix: int, floor: int, accept) -> int |
     return None
 
 
+def rows_back_to(caches, length: int, target: int) -> int | None:
+    """K/V rows of rewind journal (:func:`~qfilters_mlx.cache.journal.record_rows`) that
+    take a stored entry (``caches`` holding ``length`` tokens) back to exactly ``target``
+    tokens without splitting a recorded call; 0 before any eviction (a plain trim); ``None``
+    when its journal does not reach there."""
+    from qfilters_mlx.cache.journal import record_rows
+
+    ours = [c for c in caches if hasattr(c, "rewindable_tokens")]
+    if not ours or length - target > rewind_reach(caches):
+        return None
+    if not any(getattr(c, "evicted", False) for c in ours):
+        return 0
+    pos, rows = length, 0
+    for rec in reversed(ours[0]._journal.records):
+        if pos <= target:
+            break
+        pos -= rec.tokens
+        rows += record_rows(rec)
+    return rows if pos == target else None
+
+
+def key_nbytes(tokens) -> int:
+    """Bytes a stored entry's token list holds: the list (``sys.getsizeof``) and an int
+    object per token (:data:`INT_BYTES`; ids under 257 are CPython's shared small ints, and
+    the trie's keys are the same objects)."""
+    return sys.getsizeof(tokens) + INT_BYTES * len(tokens)
+
+
 def journal_rows(cache) -> int:
     """Rows of rewind journal a stored eviction cache keeps: its rewind depth
     (``max_rewind``; 0 when it is ``"auto"``, i.e. no depth was asked for)."""
@@ -213,9 +245,10 @@ def request_summary(caches, prompt_tokens: int) -> str:
             f"(buffers, scores, filter, rewind journal)")
 
 
-def prompt_cache_class(cache_module):
+def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
     """``LRUPromptCache`` of ``cache_module`` (``mlx_lm.models.cache``) as described above:
-    ``StoredConversations(max_size, max_bytes=None)``."""
+    ``StoredConversations(max_size, max_bytes=None)``. ``journal_at_rest``: rows of rewind
+    journal a stored checkpoint keeps (``None``: each cache's ``max_rewind``)."""
     from qfilters_mlx.commands.server_trie import linear_trie_class
 
     LinearTrie = linear_trie_class(cache_module)
@@ -233,17 +266,39 @@ def prompt_cache_class(cache_module):
                 request's cache (that insert is logged with :func:`request_summary`).
         """
 
+        journal_at_rest = None
+
         def __init__(self, max_size: int = 10, max_bytes: int | None = None):
             super().__init__(max_size, 1 << 63 if max_bytes is None else int(max_bytes))
             self._trie = LinearTrie()
             self.finishing = False
             self.prefill_step = 0
             self._turn_ends = OrderedDict()  # (model, length, hash of an entry's tokens) -> None
+            self._systems = OrderedDict()  # the same keys, of system prompts seen
 
         def _is_turn_end(self, model, tokens) -> bool:
             """Whether ``tokens`` are those of an entry stored here (now or before): a point
             where a request stopped (a checkpoint, an answer) and the next one continued."""
             return (model, len(tokens), hash(tuple(tokens))) in self._turn_ends
+
+        @property
+        def nbytes(self) -> int:
+            """Bytes of every stored entry: the caches' ``nbytes``, their token lists and the
+            prompt trie's nodes (:func:`key_nbytes`, ``LinearTrie.nbytes``)."""
+            return self._n_bytes + self._trie.nbytes
+
+        def _rest_rows(self, cache) -> int:
+            return journal_rows(cache) if self.journal_at_rest is None else self.journal_at_rest
+
+        def _seen_before(self, model, tokens) -> bool:
+            """Whether a system prompt of these tokens came before (remembered from now on)."""
+            key = (model, len(tokens), hash(tuple(tokens)))
+            if key in self._systems:
+                return True
+            self._systems[key] = None
+            while len(self._systems) > TURN_ENDS_KEPT:
+                self._systems.popitem(last=False)
+            return False
 
         def _turn_ended(self, model, tokens) -> None:
             self._turn_ends[(model, len(tokens), hash(tuple(tokens)))] = None
@@ -254,16 +309,25 @@ def prompt_cache_class(cache_module):
             done, self.finishing = self.finishing, False
             if cache_type == PREFILL:
                 return
-            for c in prompt_cache:
-                if hasattr(c, "shrink_to_fit"):
-                    c.shrink_to_fit(journal_rows(c))
             self._turn_ended(model, tokens)
-            reach = rewind_reach(prompt_cache)
-            entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type)
+            if cache_type == "system" and not self._seen_before(model, tokens):
+                return  # (stored once a second request repeats the system prompt)
             prefixes = self._trie.prefixes(model, tokens)
             own = None  # an answer's own prompt checkpoint: its longest non-system prefix
             if cache_type == "assistant":
                 own = max((n for n, e in prefixes if e.cache_type != "system"), default=None)
+            back = None  # journal rows that take the answer back to its prompt checkpoint
+            if own is not None:
+                back = rows_back_to(prompt_cache, len(tokens), own)
+                checkpoint = stored_rows(self._trie.get(model, tokens[:own]).prompt_cache)
+                if back is not None and back > checkpoint:
+                    back = None  # (the checkpoint holds fewer rows: it stays)
+            for c in prompt_cache:
+                if hasattr(c, "shrink_to_fit"):
+                    c.shrink_to_fit(max(self._rest_rows(c), back or 0))
+            reach = rewind_reach(prompt_cache)
+            entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache)
+                                    + key_nbytes(tokens), cache_type)
             for length, old in prefixes:
                 if drops_prefix(len(tokens), reach, old.cache_type, length, own_prompt=length == own):
                     self._drop(model, tokens[:length])
@@ -278,7 +342,7 @@ def prompt_cache_class(cache_module):
                 self._drop(*lrus["assistant"][0])
             while sum(len(lrus[k]) for k in CHECKPOINT_TYPES) > self.max_size:
                 self._drop(*next(lrus[k][0] for k in CHECKPOINT_TYPES if lrus[k]))
-            while self._n_bytes > self.max_bytes and len(self._lru):
+            while self.nbytes > self.max_bytes and len(self._lru):
                 self._drop(*self._lru.pop(), in_lru=False)
             if done:
                 st = self.stored_stats()
@@ -289,7 +353,7 @@ def prompt_cache_class(cache_module):
         def trim_to(self, *, n_sequences=None, n_bytes=None):
             n_sequences = math.inf if n_sequences is None else max(0, n_sequences)
             n_bytes = math.inf if n_bytes is None else max(0, n_bytes)
-            while len(self._lru) and (len(self._lru) > n_sequences or self._n_bytes > n_bytes):
+            while len(self._lru) and (len(self._lru) > n_sequences or self.nbytes > n_bytes):
                 self._drop(*self._lru.pop(), in_lru=False)
 
         def _count(self, entry, sign: int) -> None:
@@ -336,7 +400,8 @@ def prompt_cache_class(cache_module):
 
         def stored_stats(self) -> dict:
             """``conversations`` (answers) and ``checkpoints`` stored, ``sequences`` (both),
-            ``bytes`` they hold (the caches' ``nbytes``, cut to what they hold at rest;
+            ``bytes`` they hold (the caches' ``nbytes``, cut to what they hold at rest, and
+            their tokens: ``index_bytes`` of them in token lists and trie nodes;
             ``checkpoint_bytes`` of them in checkpoints), ``bytes_per_conversation``,
             ``max_bytes`` (``None``: no bound), ``rows_per_layer`` summed over the entries
             (:func:`stored_rows`), and the process's memory (:func:`process_memory`)."""
@@ -351,11 +416,13 @@ def prompt_cache_class(cache_module):
                 try:
                     keys = [k for lru in self._lru._lrus.values() for k in list(lru)]
                     rows = sum(stored_rows(self._trie.get(m, t).prompt_cache) for m, t in keys)
-                    return {"sequences": len(keys), "bytes": self.nbytes,
+                    index = self._trie.nbytes + sum(key_nbytes(t) for _, t in keys)
+                    return {"sequences": len(keys), "bytes": self.nbytes, "index_bytes": index,
                             "bytes_per_conversation": self.nbytes / n, "rows_per_layer": rows, **out}
                 except (RuntimeError, KeyError):
                     continue
-            return {"sequences": len(self), "bytes": self.nbytes,
+            return {"sequences": len(self), "bytes": self.nbytes, "index_bytes": None,
                     "bytes_per_conversation": self.nbytes / n, "rows_per_layer": None, **out}
 
+    StoredConversations.journal_at_rest = journal_at_rest
     return StoredConversations
