@@ -115,6 +115,16 @@ def cache_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
                    help="longest prompt in tokens (default: the model's context, "
                         "max_position_embeddings; longer: 400)")
+    s.add_argument("--max-tokens-limit", type=_positive, default=None, metavar="N",
+                   help="largest max_tokens a request may ask (always at most the model's "
+                        "context minus the prompt; more: 400 naming the cap)")
+    s.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names accepted besides the loopback names "
+                        "(default: none; '*' for any; others: 403)")
+    s.add_argument("--max-connections", type=_positive, default=None, metavar="N",
+                   help="connections served at once (default 64; more: 503)")
+    s.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                   help="seconds a client has to send a request body (default 60; slower: 408)")
     return p
 
 
@@ -147,29 +157,52 @@ def context_length(model) -> int | None:
     return None
 
 
-def _served(cache_args, model_path):
+def _aliases(value, path=None) -> set:
+    """Names of a model, draft model or adapters folder given as ``value`` (and resolved to
+    ``path``): the value as given, the path, the resolved path, the folder name, each also
+    without a trailing ``/``."""
+    names = set()
+    for v in (value, path):
+        if v is None:
+            continue
+        p = Path(v)
+        names |= {str(v), str(v).rstrip("/") or str(v), str(p), str(p.resolve()), p.name}
+    return {n for n in names if n and n != "."}
+
+
+def _max_rewind(quantized: bool):
+    """Tokens the served caches rewind after an eviction (a draft's ``num_draft_tokens`` bound):
+    ``None`` when they never evict, 0 when quantized (no journal), else the built depth."""
+    from qfilters_mlx.scorers import scorer_class
+
+    if not scorer_class(_CONFIG.method).evicts:
+        return None
+    if quantized:
+        return 0
+    depth = _builder().options_for(_CONFIG).max_rewind
+    return depth if isinstance(depth, int) else 0
+
+
+def _served(cache_args, model_path, quantized: bool = False):
     """The names a request may use for what this server was started with (:class:`Served`)."""
     from qfilters_mlx.commands.server_requests import Served
 
-    names = {"default_model", str(model_path), str(Path(model_path).resolve()), Path(model_path).name}
-    if cache_args.model is not None:
-        names.add(cache_args.model)
-    draft = set()
-    if cache_args.draft_model is not None:
-        draft = {cache_args.draft_model, str(Path(cache_args.draft_model).resolve())}
-    adapters = set()
-    if cache_args.adapter_path is not None:
-        adapters = {cache_args.adapter_path, str(Path(cache_args.adapter_path).resolve())}
+    names = {"default_model"} | _aliases(cache_args.model, model_path)
+    draft = _aliases(cache_args.draft_model) if cache_args.draft_model is not None else set()
+    adapters = _aliases(cache_args.adapter_path) if cache_args.adapter_path is not None else set()
+    hosts = {h.strip().lower() for h in cache_args.allowed_hosts.split(",") if h.strip()}
     return Served(model_names=names, draft_names=draft, adapter_names=adapters,
                   allow_switch=cache_args.allow_model_switch,
-                  max_rewind=_builder().options_for(_CONFIG).max_rewind,
+                  max_rewind=_max_rewind(quantized),
+                  max_tokens_limit=cache_args.max_tokens_limit, allowed_hosts=hosts,
                   has_draft=cache_args.draft_model is not None,
                   default_draft_tokens=cache_args.num_draft_tokens,
                   allow_chat_template=cache_args.allow_chat_template,
                   max_prompt_tokens=cache_args.max_prompt_tokens)
 
 
-def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_at_rest=None):
+def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_at_rest=None,
+             http_limits=None):
     """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
     import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
@@ -224,9 +257,10 @@ def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_a
                 self.served.takes_images = self.processor is not None
                 self.served.max_prompt_tokens = (max_prompt_tokens if max_prompt_tokens is not None
                                                  else context_length(self.model))
+                self.served.context = context_length(self.model)
 
     prompt_cache = prompt_cache_class(cache_module, journal_at_rest)
-    handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES)
+    handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES, **(http_limits or {}))
     return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
 
 
@@ -298,11 +332,13 @@ def run(parser, args, blas_library: str | None = None) -> int:
     if not helping:
         model_path = resolve_model(ours, cache_args.model)
         rest += ["--model", str(model_path)]
-        served = _served(cache_args, model_path)
+        served = _served(cache_args, model_path, quantized)
     else:
         rest.append("--help")
+    limits = {k: v for k, v in (("max_connections", cache_args.max_connections),
+                                ("body_timeout", cache_args.body_timeout)) if v is not None}
     server, provider, prompt_cache, generator, handler = _classes(
-        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens, at_rest)
+        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens, at_rest, limits)
     options = _builder().options_for(_CONFIG)
     rest_note = f" (stored checkpoints keep {at_rest})" if at_rest is not None else ""
     print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind}{rest_note} "

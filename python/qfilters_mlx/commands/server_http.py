@@ -28,15 +28,30 @@ from __future__ import annotations
 import io
 import json
 import logging
+import select
+import socket
 import threading
 import time
 import weakref
 from collections import deque
 
 from qfilters_mlx.commands.server_cache import prefill_segments
-from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES, RequestError, check_body, parse_body
+from qfilters_mlx.commands.server_requests import (MAX_BODY_BYTES, RequestError, check_body,
+                                                   check_content_type, check_host, parse_body)
 
-__all__ = ["GenerationFailed", "error_status", "generator_class", "handler_class"]
+__all__ = ["BODY_TIMEOUT_S", "GenerationFailed", "MAX_CONNECTIONS", "client_gone", "error_body",
+           "error_status", "generator_class", "handler_class"]
+
+MAX_CONNECTIONS = 64
+"""Default most connections served at once (``--max-connections``); more get 503."""
+
+BODY_TIMEOUT_S = 60.0
+"""Default seconds a client has to send a request body (``--body-timeout``); slower: 408."""
+
+DRAIN_BYTES, DRAIN_S = 64 << 20, 5.0
+"""After refusing a request whose body was not read (413, 415, 503), at most this many bytes
+of it are read and dropped within this many seconds, so that the client, still sending, gets
+to read the answer (closing with unread data resets the connection)."""
 
 RESTARTS_ALLOWED = 5
 RESTART_WINDOW_S = 30.0
@@ -54,10 +69,38 @@ class GenerationFailed(RuntimeError):
     """The generation loop failed while this request was in flight (the loop restarted)."""
 
 
+class _Answered(BaseException):
+    """The request's error reply is written (a BaseException: mlx-lm's ``except Exception``
+    around the generator does not answer it again)."""
+
+
+class _ClientGone(BaseException):
+    """The client of a non-streaming request closed its connection; its generation stopped."""
+
+
+def client_gone(sock) -> bool:
+    """Whether the peer of connected socket ``sock`` closed it (readable with nothing to read,
+    or an error); never blocks."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}`` (type
+    ``invalid_request_error`` below 500, ``server_error`` from 500; ``code`` the HTTP status)."""
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500
+                      else "server_error", "param": param, "code": status}}
+
+
 def error_status(err: BaseException) -> int:
     """HTTP status of an error raised for a request by the generation side: 400 for what the
     request's contents caused (bad values, a chat template refusing the messages), 503 when
     no generation loop runs, 500 for the server's own faults."""
+    if isinstance(err, RequestError):
+        return err.status
     if isinstance(err, GenerationFailed):
         return 500
     if isinstance(err, RuntimeError) and "generation thread died" in str(err):
@@ -80,6 +123,29 @@ class _Reply:
         if item is None:
             self._owner.prompt_cache.finishing = True
         self._queue.put(item)
+
+
+def _cap_max_tokens(args, prompt_tokens: int, served, default: int, field: str) -> None:
+    """``args.max_tokens`` at most the model's context minus the prompt and the operator's
+    ``--max-tokens-limit``: a request asking more is refused (400 naming the cap); one that
+    asked nothing (``None``, set by the handler) gets the server's default within the cap."""
+    caps = []
+    context = getattr(served, "context", None)
+    if context is not None:
+        if prompt_tokens >= context:
+            raise RequestError(field, f"the prompt is {prompt_tokens} tokens: it leaves no room "
+                                      f"to answer in the model's context of {context}")
+        caps.append(context - prompt_tokens)
+    limit = getattr(served, "max_tokens_limit", None)
+    if limit is not None:
+        caps.append(limit)
+    cap = min(caps) if caps else None
+    if args.max_tokens is None:
+        args.max_tokens = default if cap is None else min(default, cap)
+    elif cap is not None and args.max_tokens > cap:
+        raise RequestError("max_tokens", f"at most {cap} for this prompt ({prompt_tokens} tokens; "
+                                         f"the model's context {context}, server flag "
+                                         f"--max-tokens-limit {limit}), got {args.max_tokens}")
 
 
 def generator_class(server):
@@ -125,6 +191,7 @@ def generator_class(server):
                 raise RequestError(field, f"the prompt is {len(prompt)} tokens, over the limit of "
                                           f"{limit} (the model's context unless the server sets "
                                           "--max-prompt-tokens)")
+            _cap_max_tokens(args, len(prompt), served, self.cli_args.max_tokens, field)
             if vision is None:  # (requests with images are served whole, without segments)
                 segments, types = prefill_segments(segments, types, self.cli_args.prefill_step_size)
             return prompt, segments, types, state, vision
@@ -168,29 +235,57 @@ def generator_class(server):
     return RestartingResponseGenerator
 
 
-def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES):
+def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES, *,
+                  max_connections: int = MAX_CONNECTIONS, body_timeout: float = BODY_TIMEOUT_S):
     """``mlx_lm.server.APIHandler`` that checks requests first (see the module docstring)."""
+    slots = threading.BoundedSemaphore(max_connections)
 
     class _Generate:
         """The handler's view of the generator: remembers the status of the error it raised;
-        a non-streaming reply is generated whole before the handler sends its status, a
-        streaming one that fails ends with an SSE error event (:class:`_StreamFailed`)."""
+        a non-streaming reply is generated whole before the handler sends its status (and
+        stopped when its client leaves), a streaming one that fails ends with an SSE error
+        event (:class:`_StreamFailed`)."""
 
         def __init__(self, generator, handler):
             self._generator = generator
             self._handler = weakref.ref(handler)
             self.error_status = None
 
-        def generate(self, *args, **kwargs):
+        def generate(self, request, args, progress_callback=None):
             handler = self._handler()
+            streaming = getattr(handler, "stream", False)
+            ctx = None
+
+            def progress(*a):  # (called while the prompt is processed)
+                if not streaming and ctx is not None and client_gone(handler.connection):
+                    ctx.stop()
+                    raise _ClientGone()
+                if progress_callback is not None:
+                    progress_callback(*a)
+
             try:
-                ctx, response = self._generator.generate(*args, **kwargs)
-                if not getattr(handler, "stream", False):
-                    return ctx, iter(list(response))  # (errors raise here, before any status)
+                ctx, response = self._generator.generate(request, args, progress_callback=progress)
+                if not streaming:
+                    return ctx, iter(self._whole(ctx, response, handler))
             except Exception as err:
                 self.error_status = error_status(err)
-                raise
+                handler._error(self.error_status, err)
+                raise _Answered() from err
             return ctx, self._streamed(response, handler)
+
+        @staticmethod
+        def _whole(ctx, response, handler):
+            """Every item of a non-streaming reply (errors raise here, before any status);
+            the generation is stopped once the client has left (:class:`_ClientGone`)."""
+            out, checked = [], time.monotonic()
+            for item in response:
+                out.append(item)
+                if time.monotonic() - checked > 0.1:
+                    checked = time.monotonic()
+                    if client_gone(handler.connection):
+                        ctx.stop()
+                        raise _ClientGone()
+            return out
 
         def _streamed(self, response, handler):
             try:
@@ -202,25 +297,74 @@ def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES):
         def __getattr__(self, name):
             return getattr(self._generator, name)
 
+    class _OpenAIErrors(io.RawIOBase):
+        """The handler's ``wfile`` while mlx-lm's ``do_POST`` runs: an error body mlx-lm writes
+        itself (``{"error": "<text>"}``) goes out as OpenAI's error object."""
+
+        def __init__(self, handler, raw):
+            self._handler, self._raw = handler, raw
+
+        def write(self, data):
+            if data[:10] == b'{"error": ' and self._handler._status >= 400:
+                try:
+                    text = json.loads(data).get("error")
+                except ValueError:
+                    text = None
+                if isinstance(text, str):
+                    data = json.dumps(error_body(self._handler._status, text)).encode()
+            return self._raw.write(data)
+
+        def flush(self):
+            return self._raw.flush()
+
+        def writable(self):
+            return True
+
     class CheckingAPIHandler(server.APIHandler):
         """mlx-lm's handler behind :func:`parse_body` / :func:`check_body`."""
 
-        timeout = 120  # seconds a client may stall while the request is read
+        timeout = 120  # seconds a client may stall while the request line and headers are read
+        _status = 200
 
         def __init__(self, response_generator, *args, **kwargs):
             super().__init__(_Generate(response_generator, self), *args, **kwargs)
 
+        def handle(self):
+            if not slots.acquire(blocking=False):  # over --max-connections: 503, then close
+                try:
+                    self.raw_requestline = self.rfile.readline(65537)
+                    if self.raw_requestline and self.parse_request():
+                        self._refuse(RequestError("connections", f"{max_connections} connections "
+                                                  "are open, the most this server serves at once "
+                                                  "(server flag --max-connections)", 503))
+                except OSError:
+                    pass
+                self.close_connection = True
+                return
+            try:
+                super().handle()
+            finally:
+                slots.release()
+
+        def send_response(self, code, message=None):
+            self._status = code
+            super().send_response(code, message)
+
         def handle_completion(self, request, stop_words):
+            if "max_tokens" not in self.body and "max_completion_tokens" not in self.body:
+                self.max_tokens = None  # (the server's default within the cap: _cap_max_tokens)
             try:
                 return super().handle_completion(request, stop_words)
-            except _StreamFailed:
-                self.close_connection = True  # (the error event was the reply's last)
+            except (_StreamFailed, _Answered):
+                self.close_connection = True  # (the error was the reply's last)
+            except _ClientGone:
+                logging.info("qfilters-mlx: the client left before its reply; generation stopped")
+                self.close_connection = True
 
         def _stream_error(self, status: int, err) -> None:
             """Write an SSE ``error`` event (OpenAI's shape) on a stream that already sent 200."""
             logging.warning(f"qfilters-mlx: a streamed reply failed after it started: {err!r}")
-            payload = {"error": {"message": str(err), "code": status, "type": "invalid_request_error"
-                                 if status < 500 else "server_error"}}
+            payload = error_body(status, str(err), getattr(err, "field", None))
             try:
                 self.wfile.write(f"event: error\ndata: {json.dumps(payload)}\n\n".encode())
                 self.wfile.flush()
@@ -228,16 +372,37 @@ def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES):
                 pass  # (the client is gone)
 
         def _error(self, status: int, err) -> None:
-            payload = {"error": {"message": str(err), "type": "invalid_request_error"
-                                 if status < 500 else "server_error",
-                                 "param": getattr(err, "field", None)}}
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self._set_cors_headers()
-            self.end_headers()
-            self.wfile.write(data)
+            data = json.dumps(error_body(status, str(err), getattr(err, "field", None))).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                self._set_cors_headers()
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+            except OSError:
+                self.close_connection = True  # (the client is gone)
+
+        def _refuse(self, err) -> None:
+            """Answer ``err`` to a request whose body is not read, then read and drop what the
+            client still sends (at most :data:`DRAIN_BYTES` within :data:`DRAIN_S`), so that it
+            reads the answer instead of a reset connection."""
+            self.close_connection = True
+            self._error(err.status, err)
+            try:
+                self.connection.shutdown(socket.SHUT_WR)
+                deadline, left = time.monotonic() + DRAIN_S, DRAIN_BYTES
+                while left > 0 and time.monotonic() < deadline:
+                    self.connection.settimeout(max(0.05, deadline - time.monotonic()))
+                    chunk = self.rfile.read1(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except OSError:
+                pass
 
         def _set_completion_headers(self, status_code: int = 200):
             # mlx-lm answers every error of the generation side with 404
@@ -256,22 +421,77 @@ def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES):
             if length < 0:
                 raise RequestError("Content-Length", "negative")
             if length > max_body_bytes:
-                self.close_connection = True  # the body is not read
                 raise RequestError("body", f"{length} bytes is over the limit of {max_body_bytes} "
                                            "(server flag --max-body-bytes)", 413)
-            raw = self.rfile.read(length)
-            if len(raw) != length:
-                raise RequestError("body", f"got {len(raw)} of {length} bytes")
-            return raw
+            deadline, parts, got = time.monotonic() + body_timeout, [], 0
+            try:
+                while got < length:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise socket.timeout()
+                    self.connection.settimeout(left)
+                    chunk = self.rfile.read1(min(length - got, 1 << 16))
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    got += len(chunk)
+            except (socket.timeout, TimeoutError):
+                self.close_connection = True
+                raise RequestError("body", f"got {got} of {length} bytes within {body_timeout:g} s "
+                                           "(server flag --body-timeout)", 408) from None
+            finally:
+                self.connection.settimeout(self.timeout)
+            if got != length:
+                raise RequestError("body", f"got {got} of {length} bytes")
+            return b"".join(parts)
+
+        def _checked(self) -> bool:
+            """The ``Host`` check of every request; False when it was refused (answered)."""
+            try:
+                check_host(self.headers.get("Host"),
+                           getattr(self.response_generator.model_provider.served, "allowed_hosts",
+                                   set()) or set())
+            except RequestError as err:
+                logging.info(f"qfilters-mlx: refused {self.command} {self.path[:80]}: {err}")
+                self._refuse(err)
+                return False
+            return True
+
+        def do_GET(self):
+            if self._checked():
+                super().do_GET()
+
+        def do_OPTIONS(self):
+            if self._checked():
+                super().do_OPTIONS()
 
         def do_POST(self):
+            try:
+                self._post()
+            except (_Answered, _ClientGone, _StreamFailed):
+                self.close_connection = True
+            except Exception as err:  # noqa: BLE001 (the handler never dies on a request)
+                logging.exception(f"qfilters-mlx: a request failed in the handler: {err!r}")
+                self.close_connection = True
+                self._error(500, RuntimeError(f"the server failed on this request: "
+                                              f"{type(err).__name__}"))
+
+        def _post(self):
+            if not self._checked():
+                return
             endpoint = ENDPOINTS.get(self.path)
             if endpoint is None:
                 return super().do_POST()  # mlx-lm's 404
             try:
-                body = parse_body(self._read_body())
-                served = self.response_generator.model_provider.served
-                body = check_body(body, endpoint, served)
+                check_content_type(self.headers.get("Content-Type"))
+                raw = self._read_body()
+            except RequestError as err:
+                logging.info(f"qfilters-mlx: refused {self.path}: {err}")
+                if err.status in (413, 415):
+                    return self._refuse(err)
+                return self._error(err.status, err)
+            try:
+                body = check_body(parse_body(raw), endpoint, self.response_generator.model_provider.served)
             except RequestError as err:
                 logging.info(f"qfilters-mlx: refused {self.path}: {err}")
                 return self._error(err.status, err)
@@ -279,7 +499,12 @@ def handler_class(server, max_body_bytes: int = MAX_BODY_BYTES):
             self.rfile = io.BytesIO(data)
             del self.headers["Content-Length"]
             self.headers["Content-Length"] = str(len(data))
-            return super().do_POST()
+            raw_out = self.wfile
+            self.wfile = _OpenAIErrors(self, raw_out)
+            try:
+                return super().do_POST()
+            finally:
+                self.wfile = raw_out
 
         def handle_health_check(self):
             gen = self.response_generator
