@@ -192,3 +192,15 @@ def test_reuse_after_eviction_is_the_anchors_for_chat_and_the_same_on_two_fresh_
         want = 0 if k == 2 else sys_end
         assert runs[0][k][2] == want and sys_end <= min(len(ids[k]) - 1, c), (k, runs[0][k][2], sys_end, c)
     assert len(ids[0]) - _shared(ids[4], ids[0]) > 2 * BUDGET  # (the deep case is deep)
+
+
+def test_every_alias_of_the_served_model_is_served_without_a_reload(server, model_path):
+    """mlx-lm keys loaded models by the literal string: the folder name (or the path with a
+    trailing ``/``) reloaded the model, or unloaded it when the name is not a path. Every alias
+    is served by the loaded model: the same answer, and the model loaded once."""
+    status, first = post_json(server.port, CHAT, GOOD_CHAT)
+    assert status == 200
+    for alias in (model_path.name, str(model_path), str(model_path) + "/", "default_model"):
+        status, reply = post_json(server.port, CHAT, {**GOOD_CHAT, "model": alias})
+        assert status == 200 and answer(reply) == answer(first), (alias, reply)
+    assert open(server.log_path).read().count("attention caches budgeted") == 1
