@@ -14,18 +14,22 @@ mlx-lm's ``main``:
   :class:`~qfilters_mlx.cache.batch.BatchQFiltersCache`, so the server keeps
   batching (``is_batchable``);
 * ``StoredConversations`` (mlx-lm's ``LRUPromptCache``, :mod:`.server_cache`):
-  reuses stored conversations without asking a cache for a rewind it cannot do, keeps
+  reuses stored conversations without asking a cache for a rewind it cannot do, and
+  rewinds only to call boundaries the prompt's cold run also has (warm equals cold), keeps
   each stored cache at its budget plus its rewind journal (per conversation at most a
-  prompt checkpoint and its answer), bounds what is stored by ``--prompt-cache-size``
-  and ``--prompt-cache-bytes`` whenever an entry is stored, and logs each finished
-  request's tokens, bytes, and the bytes all stored caches hold;
+  prompt checkpoint and its answer, usually the answer alone), bounds what is stored by
+  ``--prompt-cache-size`` and ``--prompt-cache-bytes`` whenever an entry is stored, and
+  logs each finished request's tokens, bytes, and the bytes all stored caches hold;
 * the request checks and the restarting generation loop of :mod:`.server_http`
   and :mod:`.server_requests`: every body is checked before generation (400 naming
   the field); requests naming another ``model``, ``draft_model`` or ``adapters``
-  are refused unless ``--allow-model-switch``; a client's own chat template unless
-  ``--allow-chat-template``; prompts over the model's context unless
-  ``--max-prompt-tokens`` raises it; CORS allows no origin unless
-  ``--allowed-origins`` names them.
+  are refused unless ``--allow-model-switch`` (every alias of what is served is
+  ``default_model``); a client's own chat template unless ``--allow-chat-template``;
+  prompts over the model's context unless ``--max-prompt-tokens`` raises it, and
+  ``max_tokens`` over the context left (or ``--max-tokens-limit``); POST bodies that are
+  not JSON (415), a ``Host`` that is not loopback or ``--allowed-hosts`` (403), bodies
+  slower than ``--body-timeout`` (408), connections beyond ``--max-connections`` (503);
+  CORS allows no origin unless ``--allowed-origins`` names them.
 
 Prompts are processed in calls of ``--prefill-step-size`` tokens (mlx-lm's flag, 2,048 by
 default) at the same positions as ``mlx_lm.generate`` and ``qfilters-mlx generate``, so

@@ -1,14 +1,19 @@
 """The HTTP side of ``qfilters-mlx server``: mlx-lm's handler and generation loop, made to
 survive their users (subclasses of ``mlx_lm.server.APIHandler`` and ``ResponseGenerator``).
 
-* :func:`handler_class`: every POST body is size-checked, parsed and checked
-  (:mod:`.server_requests`) before mlx-lm's own ``do_POST`` sees it; errors are 4xx
-  naming the field (413 over ``--max-body-bytes``, 411 without Content-Length, 400
-  for the rest); an error from the generation loop is 400 when the request caused it,
-  503 when no generation loop runs, 500 otherwise (mlx-lm answers 404 to all of them).
-  A request that fails after it was admitted still gets its error: a non-streaming reply
-  is generated whole before its status is sent (an HTTP error, never an empty 200), a
-  streaming one ends with an SSE ``error`` event. ``/health`` adds the stored
+* :func:`handler_class`: every request's ``Host`` is checked (403); every POST body is
+  type-checked (``application/json``: 415), size-checked, read within the body deadline
+  (408), parsed and checked (:mod:`.server_requests`) before mlx-lm's own ``do_POST``
+  sees it; errors are 4xx naming the field (413 over ``--max-body-bytes``, 411 without
+  Content-Length, 400 for the rest), and a refused body still being sent is read and
+  dropped so that the client reads the answer; connections beyond the cap get 503; an
+  error from the generation loop is 400 when the request caused it, 503 when no
+  generation loop runs, 500 otherwise (mlx-lm answers 404 to all of them). Every error is
+  OpenAI's error object (:func:`error_body`), mlx-lm's own included. A request that fails
+  after it was admitted still gets its error: a non-streaming reply is generated whole
+  before its status is sent (an HTTP error, never an empty 200; stopped when its client
+  leaves), a streaming one ends with an SSE ``error`` event. The handler answers 500
+  rather than die. ``/health`` adds the stored
   conversations (count, bytes as held at rest, rows per layer), the process's memory
   (MLX's active bytes, RSS) and the generation loop's restarts.
 * :func:`generator_class`: the served model is loaded in the generation thread before
@@ -16,7 +21,8 @@ survive their users (subclasses of ``mlx_lm.server.APIHandler`` and ``ResponseGe
   the generation loop restarts after an exception that escaped mlx-lm's handling
   (in-flight requests get a 500), instead of dying and leaving every later request a
   "generation thread died"; a prompt over ``Served.max_prompt_tokens`` is refused (400)
-  before any of it is processed; a prompt is cut at every multiple of ``--prefill-step-size``
+  before any of it is processed, and ``max_tokens`` is capped at the context left by the
+  prompt (:func:`_cap_max_tokens`); a prompt is cut at every multiple of ``--prefill-step-size``
   (:func:`~.server_cache.prefill_segments`), so it is prefilled in the calls
   ``mlx_lm.generate`` makes.
 
