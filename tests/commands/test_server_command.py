@@ -78,7 +78,8 @@ def test_stored_conversations_never_ask_for_a_rewind_the_cache_cannot_do():
     import mlx.core as mx
     import mlx_lm.models.cache as cache_module
 
-    from qfilters_mlx.commands.server_cache import prompt_cache_class, rewind_reach
+    from qfilters_mlx.commands.server_cache import prompt_cache_class
+    from qfilters_mlx.commands.server_calls import rewind_reach
 
     model = tiny_llama()
     store = prompt_cache_class(cache_module)()
@@ -114,7 +115,8 @@ def test_the_generation_loop_restarts_and_fails_the_requests_in_flight():
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands.server_http import GenerationFailed, error_status, generator_class
+    from qfilters_mlx.commands.server_errors import GenerationFailed, error_status
+    from qfilters_mlx.commands.server_loop import generator_class
 
     calls = []
 
@@ -158,7 +160,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands import server_http
+    from qfilters_mlx.commands import server_loop
 
     class BadFilters:
         cli_args = SimpleNamespace()
@@ -167,7 +169,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
             raise ValueError("not a filters file")
 
     with pytest.raises(ValueError, match="not a filters file"):
-        server_http.generator_class(mlx_server)(BadFilters(), mlx_server.LRUPromptCache(2))
+        server_loop.generator_class(mlx_server)(BadFilters(), mlx_server.LRUPromptCache(2))
 
     class Loads:
         cli_args = SimpleNamespace()
@@ -175,7 +177,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
         def load_default(self):
             pass
 
-    class AlwaysFails(server_http.generator_class(mlx_server)):
+    class AlwaysFails(server_loop.generator_class(mlx_server)):
         def _generate(self):
             raise RuntimeError("every pass")
 
@@ -183,7 +185,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
     deadline = time.time() + 10
     while gen.generation_available() and time.time() < deadline:
         time.sleep(0.05)
-    assert not gen.generation_available() and gen.loop_restarts == server_http.RESTARTS_ALLOWED
+    assert not gen.generation_available() and gen.loop_restarts == server_loop.RESTARTS_ALLOWED
     gen.stop_and_join()
 
 
@@ -201,7 +203,8 @@ def test_a_request_that_fails_after_it_was_admitted_gets_an_error_never_an_empty
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands.server_http import GenerationFailed, handler_class
+    from qfilters_mlx.commands.server_errors import GenerationFailed
+    from qfilters_mlx.commands.server_http import handler_class
     from qfilters_mlx.commands.server_requests import Served
 
     class Generator:
@@ -259,7 +262,8 @@ def test_a_prompt_that_renders_to_nothing_or_fails_is_the_requests_error(render,
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands.server_http import error_status, generator_class
+    from qfilters_mlx.commands.server_errors import error_status
+    from qfilters_mlx.commands.server_loop import generator_class
     from qfilters_mlx.commands.server_requests import RequestError, Served
 
     class Tokenizer:

@@ -256,16 +256,16 @@ def test_max_tokens_is_capped_at_the_context_minus_the_prompt(prompt, asked, lim
     """On the generation side, once the prompt is tokenized (context 8,192; the server's
     default max_tokens 8): a request asking more than ``context - prompt`` (or the operator's
     limit) is refused naming the cap; one asking nothing gets the default within the cap."""
-    from qfilters_mlx.commands.server_http import _cap_max_tokens
+    from qfilters_mlx.commands.server_loop import cap_max_tokens
 
     args = SimpleNamespace(max_tokens=asked)
     served = Served(vocab_size=VOCAB, context=8192, max_tokens_limit=limit)
     if isinstance(got, int):
-        _cap_max_tokens(args, prompt, served, 8, "messages")
+        cap_max_tokens(args, prompt, served, 8, "messages")
         assert args.max_tokens == got
     else:
         with pytest.raises(RequestError, match=got):
-            _cap_max_tokens(args, prompt, served, 8, "messages")
+            cap_max_tokens(args, prompt, served, 8, "messages")
 
 
 @pytest.mark.parametrize("max_rewind,ndt,refused", [(None, 64, False), (0, 0, False), (0, 3, True)])

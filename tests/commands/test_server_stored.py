@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 from helpers.batch_helpers import config, tiny_llama
 from qfilters_mlx.cache.builder import KVCacheBuilder
 from qfilters_mlx.cache.journal import record_rows
-from qfilters_mlx.commands.server_cache import (PREFILL, drops_prefix, prefill_segments,
-                                                 prompt_cache_class, stored_rows)
+from qfilters_mlx.commands.server_cache import drops_prefix, prompt_cache_class, stored_rows
+from qfilters_mlx.commands.server_calls import PREFILL, prefill_segments
 
 BUDGET, REWIND = 16, 8
 
@@ -183,16 +183,21 @@ def _store(max_size=10, max_bytes=None):
     return prompt_cache_class(cache_module)(max_size, max_bytes)
 
 
-def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0, fresh=None):
+def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0, fresh=None, turn=None):
     """What the server's batch loop does for one chat request: reuse the nearest stored
     entry, feed the rest (segments: system prompt, prompt but its last token, in one call
-    each), store the checkpoints, decode ``answer_tokens`` tokens and store the answer
-    (``fresh``: builds the caches of a request with nothing reused; default: ours).
-    Returns (tokens reused, the answer's tokens)."""
+    each; that one cut where the last user turn's text starts, ``turn``), store the
+    checkpoints, decode ``answer_tokens`` tokens and store the answer (``fresh``: builds the
+    caches of a request with nothing reused; default: ours). Returns (tokens reused, the
+    answer's tokens)."""
+    turn = turn or sys_end
+    if hasattr(store, "expect_calls"):
+        store.expect_calls(prompt, [sys_end, turn, len(prompt) - 1])
     cache, rest = store.fetch_nearest_cache("m", prompt)
     reused = len(prompt) - len(rest)
     caches = cache if cache is not None else (fresh or (lambda: _build(model, cfg)))()
-    segments = [(prompt[:sys_end], "system"), (prompt[sys_end:-1], "user")]
+    segments = [(prompt[:sys_end], "system"), (prompt[sys_end:turn], PREFILL),
+                (prompt[turn:-1], "user")]
     done = 0
     for seg, kind in segments:
         lo, hi = done, done + len(seg)
@@ -200,7 +205,8 @@ def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0, fresh=None):
         if hi <= reused or not seg:
             continue
         model(mx.array([prompt[max(lo, reused):hi]]), cache=caches)
-        store.insert_cache("m", prompt[:hi], copy.deepcopy(caches), cache_type=kind)
+        if kind != PREFILL:  # (never stored: ours ignores them, mlx-lm's has no such type)
+            store.insert_cache("m", prompt[:hi], copy.deepcopy(caches), cache_type=kind)
     y, out = prompt[-1], []
     for _ in range(answer_tokens):
         logits = model(mx.array([[y]]), cache=caches)[0, -1]
@@ -387,46 +393,51 @@ def test_an_edited_prompt_gets_the_cold_runs_greedy_tokens_and_cache(edit_at, an
     assert _differs(stored, _run(model, cfg, [edited[:6], edited[6:-1]], rewind=64))
 
 
-def test_a_second_follow_up_of_the_same_turn_continues_from_the_turn():
-    """Two follow-ups of one turn sent one after the other (they share the turn and two more
-    tokens; the first follow-up's own tokens are within the rewind depth). mlx-lm's rule (its
-    ``LRUPromptCache`` with full caches, run here): the second reuses its longest common
-    prefix with a stored entry, the turn and the two tokens. Ours reuses the turn: the
-    nearest point below that where a request continued (the first follow-up's stored entry
-    rewound over its own call and answer), and the cache is the chat loop's with one cache
-    over the turns (the turn, then the second follow-up's tokens)."""
+def test_a_second_follow_up_of_the_same_turn_reuses_what_mlx_lm_reuses():
+    """Two follow-ups of one turn sent one after the other: each is the turn, two tokens of the
+    template's header of the next user turn, then its own text (the first tokens differ; the
+    first follow-up's own tokens are within the rewind depth). mlx-lm (its ``LRUPromptCache``
+    with full caches, run here) reuses for the second its longest common prefix with a stored
+    entry: the turn and the header. Ours reuses the same: the first follow-up's stored entry
+    rewound to the call boundary where its text starts (a boundary of the second's cold run
+    too), and the cache is the chat loop's with one cache over the turns (the turn, then the
+    second follow-up's header and text)."""
     model = tiny_llama()
     cfg = config()
     system = _tokens(6, 0)
     prompt = system + _tokens(40, 1)
     follow = (_tokens(6, 5), _tokens(6, 6))
+    assert follow[0][0] != follow[1][0]
     reused, answers, stores = {}, {}, {}
     for name, store, fresh in (("ours", _store(), lambda: _build(model, cfg, rewind=64)),
                                ("mlx_lm", cache_module.LRUPromptCache(10),
                                 lambda: cache_module.make_prompt_cache(model))):
         _, out = _serve(store, model, cfg, prompt, 4, sys_end=6, fresh=fresh)
         turn = prompt + out
-        first, _ = _serve(store, model, cfg, turn + [50, 51] + follow[0], 4, sys_end=6, fresh=fresh)
-        assert first == len(turn), (name, first)
+        first, _ = _serve(store, model, cfg, turn + [50, 51] + follow[0], 4, sys_end=6, fresh=fresh,
+                          turn=len(turn) + 2)
+        assert first == len(turn)
         reused[name], answers[name] = _serve(store, model, cfg, turn + [50, 51] + follow[1], 4,
-                                             sys_end=6, fresh=fresh)
+                                             sys_end=6, fresh=fresh, turn=len(turn) + 2)
         stores[name] = (store, out)
     store, out = stores["ours"]
     turn = prompt + out
     assert reused["mlx_lm"] == len(prompt + stores["mlx_lm"][1]) + 2
-    assert reused["ours"] == len(turn)
+    assert reused["ours"] == reused["mlx_lm"] == len(turn) + 2
     last = turn + [50, 51] + follow[1]
     chat = _run(model, cfg, [prompt[:6], prompt[6:-1]], decode=[prompt[-1], *out], rewind=64)
-    model(mx.array([last[len(turn):-1]]), cache=chat)
+    model(mx.array([last[len(turn):len(turn) + 2]]), cache=chat)
+    model(mx.array([last[len(turn) + 2:-1]]), cache=chat)
     for t in [last[-1], *answers["ours"]]:
         model(mx.array([[t]]), cache=chat)
     _same(_entry(store, last + answers["ours"]), chat)
 
 
 def test_a_continued_conversation_is_the_chat_loop_with_one_cache_over_the_turns():
-    """Three turns, each a follow-up of the stored answer before it: every answer and stored
-    cache is the chat loop's (``docs/getting-started.md``: one cache; each turn feeds its new
-    tokens but the last in one call, then decodes), and each turn reuses the whole turn
+    """Three turns, each a follow-up of the stored answer before it (the template's two header
+    tokens of a user turn, then its text): every answer and stored cache is the chat loop's
+    (``docs/getting-started.md``: one cache; each turn feeds its new tokens but the last, here
+    the header and the text in a call each, then decodes), and each turn reuses the whole turn
     before it."""
     model = tiny_llama()
     cfg = config()
@@ -434,9 +445,12 @@ def test_a_continued_conversation_is_the_chat_loop_with_one_cache_over_the_turns
     chat = _build(model, cfg)
     tokens, fed = _tokens(30, 1), 0
     for turn in range(3):
-        reused, out = _serve(store, model, cfg, tokens, 5, sys_end=0)
+        start = fed + 2 if fed else 0
+        reused, out = _serve(store, model, cfg, tokens, 5, sys_end=0, turn=start)
         assert reused == fed
-        model(mx.array([tokens[fed:-1]]), cache=chat)
+        for a, b in ((fed, start), (start, len(tokens) - 1)):
+            if b > a:
+                model(mx.array([tokens[a:b]]), cache=chat)
         y, loop = tokens[-1], []
         for _ in range(5):
             y = int(mx.argmax(model(mx.array([[y]]), cache=chat)[0, -1]).item())
@@ -444,7 +458,7 @@ def test_a_continued_conversation_is_the_chat_loop_with_one_cache_over_the_turns
         model(mx.array([[y]]), cache=chat)
         assert out == loop
         _same(_entry(store, tokens + out), chat)
-        tokens, fed = tokens + out + _tokens(12, 10 + turn), len(tokens) + len(out)
+        tokens, fed = tokens + out + [50, 51] + _tokens(12, 10 + turn), len(tokens) + len(out)
 
 
 @pytest.mark.parametrize("answer,checkpoint_stays", [(12, False), (30, True)])

@@ -46,10 +46,11 @@ batches the caches itself, outside ``observe_queries``) and are refused.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from pathlib import Path
+
+from qfilters_mlx.commands.server_flags import DEFAULT_PROMPT_CACHE_SIZE, cache_parser
 
 __all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "answer_journal",
            "context_length", "run"]
@@ -74,8 +75,6 @@ def answer_journal(config) -> int:
     return int(getattr(config, "qfilters_budget", 0) or 0) + 1
 
 
-DEFAULT_PROMPT_CACHE_SIZE = 30
-"""Stored conversations kept (mlx-lm's default is 10 for full caches)."""
 
 
 def add_parser(sub) -> None:
@@ -88,63 +87,11 @@ def add_parser(sub) -> None:
     sp.set_defaults(_run=run, _parser=sp, passes_through=True)  # cli.main sets server_args
 
 
-def cache_parser() -> argparse.ArgumentParser:
-    """The cache flags (and the mlx-lm flags this command reads) of ``qfilters-mlx server``."""
-    from qfilters_mlx.commands import options
-
-    p = argparse.ArgumentParser(prog="qfilters-mlx server", add_help=False,
-                                description="mlx_lm.server with eviction caches: the cache flags "
-                                            "below, then every mlx_lm.server flag")
-    options.add_cache_args(p.add_argument_group("KV-cache eviction"))
-    p.add_argument("--model", default=None, help="model folder or HF id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--num-draft-tokens", type=int, default=3)
-    p.add_argument("--adapter-path", default=None)
-    p.add_argument("--seed", type=int, default=None, help="seed of --method random")
-    s = p.add_argument_group("serving")
-    s.add_argument("--allow-model-switch", action="store_true",
-                   help="let requests name another model, draft model or adapters (mlx-lm loads "
-                        "them by path; off by default: such requests get 400)")
-    s.add_argument("--allowed-origins", default="",
-                   help="comma-separated origins allowed by CORS (default: none; '*' for any)")
-    s.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
-                   help="largest request body (default 8 MiB; larger: 413)")
-    s.add_argument("--prompt-cache-size", type=int, default=None, metavar="N",
-                   help=f"stored conversations kept for reuse (mlx-lm's flag; default "
-                        f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus the "
-                        f"rewind journal, twice when its answer is longer than --max-rewind)")
-    s.add_argument("--allow-chat-template", action="store_true",
-                   help="let requests bring their own chat template (chat_template, or "
-                        "chat_template_kwargs.chat_template); off by default: such requests get 400")
-    s.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
-                   help="longest prompt in tokens (default: the model's context, "
-                        "max_position_embeddings; longer: 400)")
-    s.add_argument("--max-tokens-limit", type=_positive, default=None, metavar="N",
-                   help="largest max_tokens a request may ask (always at most the model's "
-                        "context minus the prompt; more: 400 naming the cap)")
-    s.add_argument("--allowed-hosts", default="",
-                   help="comma-separated Host names accepted besides the loopback names "
-                        "(default: none; '*' for any; others: 403)")
-    s.add_argument("--max-connections", type=_positive, default=None, metavar="N",
-                   help="connections served at once (default 64; more: 503)")
-    s.add_argument("--body-timeout", type=float, default=None, metavar="S",
-                   help="seconds a client has to send a request body (default 60; slower: 408)")
-    return p
-
-
 def _builder():
     """The :class:`~qfilters_mlx.cache.builder.KVCacheBuilder` of the server's build flags."""
     from qfilters_mlx.cache.builder import KVCacheBuilder
 
     return _BUILDER if _BUILDER is not None else KVCacheBuilder()
-
-
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def context_length(model) -> int | None:
@@ -213,14 +160,15 @@ def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_a
     from mlx_lm.models.cache import make_prompt_cache
 
     from qfilters_mlx.commands.server_cache import prompt_cache_class
-    from qfilters_mlx.commands.server_http import generator_class, handler_class
+    from qfilters_mlx.commands.server_http import handler_class
+    from qfilters_mlx.commands.server_loop import generator_class
     from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES
 
     class QFiltersModelProvider(server.ModelProvider):
         """mlx-lm's ``ModelProvider`` that installs eviction caches on every loaded model and
         never says why another model failed to load (the error would reveal which paths exist).
         The served model loads in the generation thread (MLX streams are per thread) before the
-        server answers (:func:`~.server_http.generator_class`)."""
+        server answers (:func:`~.server_loop.generator_class`)."""
 
         def __init__(self, cli_args):
             super().__init__(cli_args)

@@ -29,15 +29,18 @@ to the shared prefix). Here, for eviction caches:
   conversation goes on as the library's chat loop with one cache over the turns would).
   ``longer`` (a stored entry rewound back into the prompt) only to a token count the entry
   reaches without splitting a recorded call and that the prompt's cold run also passes
-  (:func:`rewind_target`: a multiple of the prefill step, the prompt's last token, or the
-  end of an entry stored here, where a request stopped and the next one continued), so the
+  (:func:`~.server_calls.rewind_target`: a multiple of the prefill step, a call boundary of the prompt
+  announced by :meth:`expect_calls`, the prompt's last token, or the end of an entry stored
+  here, where a request stopped and the next one continued), so the
   answer is the cold run's; checked to have removed exactly that many. Otherwise the longest
   stored prefix, as mlx-lm does for untrimmable caches. No trim a cache cannot do is ever
   attempted. The last prompt token is always left to compute.
-* **prefill**: :func:`prefill_segments` cuts a prompt's segments at every multiple of the
+* **prefill**: :func:`~.server_calls.prefill_segments` cuts a prompt's segments at every multiple of the
   prefill step (``--prefill-step-size``), so that the prompt is processed in the calls
   ``mlx_lm.generate`` (and ``qfilters-mlx generate``) makes: ``[0, step)``, ``[step, 2
-  step)``, ... Those cuts are typed :data:`PREFILL` and never stored.
+  step)``, ..., and where the last user message starts (after the template's header of
+  that turn, so that two follow-ups of one turn share a call boundary). Those cuts are
+  typed ``PREFILL`` and never stored (:mod:`.server_calls`).
 
 The log line of a finished request (:func:`request_summary`) compares kept K/V bytes with a
 full cache's K/V bytes for the same tokens, and gives the bytes every stored entry holds.
@@ -51,15 +54,13 @@ import math
 import sys
 from collections import OrderedDict
 
-__all__ = ["CHECKPOINT_TYPES", "PREFILL", "drops_prefix", "journal_rows", "prefill_segments",
-           "process_memory", "prompt_cache_class", "request_summary", "rewind_reach", "rewind_target",
-           "stored_rows"]
+from qfilters_mlx.commands.server_calls import PREFILL, rewind_reach, rewind_target, rows_back_to
+
+__all__ = ["CHECKPOINT_TYPES", "drops_prefix", "journal_rows", "key_nbytes", "process_memory",
+           "prompt_cache_class", "request_summary", "stored_rows"]
 
 CHECKPOINT_TYPES = ("user", "system")
 """mlx-lm's cache types of prompt checkpoints."""
-
-PREFILL = "prefill"
-"""Cache type of a cut made only to align prefill calls: never stored."""
 
 INT_BYTES = sys.getsizeof(2**16)
 """Bytes of one token id's int object (28 on 64-bit CPython)."""
@@ -67,34 +68,6 @@ INT_BYTES = sys.getsizeof(2**16)
 TURN_ENDS_KEPT = 4096
 """Stored entries remembered as turn ends (token count and hash of their tokens: where a
 request stopped and a later one may have continued), newest kept."""
-
-
-def prefill_segments(segments, types, step: int):
-    """mlx-lm's prompt ``segments`` (lists of token ids, in prompt order) and their cache
-    ``types``, cut at every multiple of ``step`` tokens of the whole prompt (absolute
-    positions: the same cuts whatever part of the prompt a stored cache supplies).
-
-    Each piece but the last of a segment is typed :data:`PREFILL`; the last keeps the
-    segment's type. ``step <= 0``: unchanged.
-
-    Returns:
-        ``(pieces, types)``: lists of equal length; the pieces joined are the segments joined.
-    """
-    if step <= 0:
-        return list(segments), list(types)
-    pieces, kinds, start = [], [], 0
-    for segment, kind in zip(segments, types):
-        end = start + len(segment)
-        bounds = [start, *range((start // step + 1) * step, end, step), end]
-        for a, b in zip(bounds, bounds[1:]):
-            pieces.append(segment[a - start:b - start])
-            kinds.append(PREFILL)
-        kinds[-1] = kind
-        start = end
-    if len(pieces) > 1 and len(pieces[-1]) == 1 and kinds[-2] == PREFILL:
-        kinds[-2] = kinds[-1]  # (mlx-lm computes a one-token last piece as the prompt's end:
-        # the checkpoint of the segment is then where that piece starts)
-    return pieces, kinds
 
 
 def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: int,
@@ -114,72 +87,6 @@ def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: i
     if new_length - new_reach <= old_length:
         return True
     return not own_prompt
-
-
-def rewind_reach(caches) -> float:
-    """Tokens every cache of ``caches`` can remove with ``trim`` now: an eviction cache's
-    ``rewindable_tokens``; ``inf`` for a trimmable mlx-lm cache (it trims any count it holds),
-    0 for an untrimmable one."""
-    reach = math.inf
-    for c in caches:
-        if hasattr(c, "rewindable_tokens"):
-            reach = min(reach, c.rewindable_tokens)
-        elif not c.is_trimmable():
-            return 0
-    return reach
-
-
-def rewind_target(caches, length: int, prefix: int, floor: int, accept) -> int | None:
-    """Where to rewind a stored entry (``caches`` holding ``length`` tokens) for a prompt that
-    shares ``prefix`` tokens with it: the largest token count ``t`` with ``floor < t <=
-    prefix`` that the entry reaches without re-applying part of a recorded call and that
-    ``accept(t)`` (a call boundary the cold run of the prompt also has); ``None``: none.
-
-    Before any eviction every count within reach is exact and the same as a cold run's
-    (nothing was dropped, so how the prompt was cut into calls changed nothing kept). After
-    one, only where a journaled call or decode step starts (the same in every layer): a rewind
-    that ends inside a recorded call re-applies its head as one evicting call, which the cold
-    run never makes.
-    """
-    reach = rewind_reach(caches)
-    lo = length - min(reach, length)
-    ours = [c for c in caches if hasattr(c, "rewindable_tokens")]
-    if not any(getattr(c, "evicted", False) for c in ours):
-        t = min(prefix, length)
-        return t if t > floor and t >= lo else None
-    bounds, pos = [length], length
-    for rec in reversed(ours[0]._journal.records):
-        if rec.tokens == 0:
-            continue  # (a slot-layout switch: no token)
-        pos -= rec.tokens
-        if pos < lo:
-            break
-        bounds.append(pos)
-    for t in bounds:  # (newest first: the largest count first)
-        if floor < t <= prefix and accept(t):
-            return t
-    return None
-
-
-def rows_back_to(caches, length: int, target: int) -> int | None:
-    """K/V rows of rewind journal (:func:`~qfilters_mlx.cache.journal.record_rows`) that
-    take a stored entry (``caches`` holding ``length`` tokens) back to exactly ``target``
-    tokens without splitting a recorded call; 0 before any eviction (a plain trim); ``None``
-    when its journal does not reach there."""
-    from qfilters_mlx.cache.journal import record_rows
-
-    ours = [c for c in caches if hasattr(c, "rewindable_tokens")]
-    if not ours or length - target > rewind_reach(caches):
-        return None
-    if not any(getattr(c, "evicted", False) for c in ours):
-        return 0
-    pos, rows = length, 0
-    for rec in reversed(ours[0]._journal.records):
-        if pos <= target:
-            break
-        pos -= rec.tokens
-        rows += record_rows(rec)
-    return rows if pos == target else None
 
 
 def key_nbytes(tokens) -> int:
@@ -273,8 +180,14 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             self._trie = LinearTrie()
             self.finishing = False
             self.prefill_step = 0
+            self._expected = (None, frozenset())
             self._turn_ends = OrderedDict()  # (model, length, hash of an entry's tokens) -> None
             self._systems = OrderedDict()  # the same keys, of system prompts seen
+
+        def expect_calls(self, tokens, bounds) -> None:
+            """The token counts where the cold run of ``tokens`` (the next prompt fetched, the
+            same list object) ends a call: accepted as rewind targets (:func:`rewind_target`)."""
+            self._expected = (tokens, frozenset(bounds))
 
         def _is_turn_end(self, model, tokens) -> bool:
             """Whether ``tokens`` are those of an entry stored here (now or before): a point
@@ -381,8 +294,10 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                 entry = self._trie.get(result.model, result.longer)
                 step = self.prefill_step
 
+                expected = self._expected[1] if self._expected[0] is tokens else ()
+
                 def cold(t):  # a boundary of the prompt's own calls, or where a turn ended
-                    return ((step > 0 and t % step == 0) or t == len(head)
+                    return ((step > 0 and t % step == 0) or t == len(head) or t in expected
                             or self._is_turn_end(result.model, tokens[:t]))
 
                 target = rewind_target(entry.prompt_cache, len(result.longer), prefix, short, cold)
