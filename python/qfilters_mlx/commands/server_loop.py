@@ -65,9 +65,10 @@ def cap_max_tokens(args, prompt_tokens: int, served, default: int, field: str) -
     if args.max_tokens is None:
         args.max_tokens = default if cap is None else min(default, cap)
     elif cap is not None and args.max_tokens > cap:
-        raise RequestError("max_tokens", f"at most {cap} for this prompt ({prompt_tokens} tokens; "
-                                         f"the model's context {context}, server flag "
-                                         f"--max-tokens-limit {limit}), got {args.max_tokens}")
+        why = [f"the model's context is {context}"] if context is not None else []
+        why += [f"server flag --max-tokens-limit {limit}"] if limit is not None else []
+        raise RequestError("max_tokens", f"at most {cap} for this prompt of {prompt_tokens} tokens "
+                                         f"({'; '.join(why)}), got {args.max_tokens}")
 
 
 def generator_class(server):
