@@ -332,7 +332,20 @@ def main() -> None:
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/qfilters-server-memory"))
     p.add_argument("--resume", action="store_true",
                    help="keep the servers already measured in --out, run the rest")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only write --out from these results files (runs of other --arms), "
+                        "servers and runs joined")
     args = p.parse_args()
+    if args.merge:
+        res = {"servers": {}, "runs": []}
+        for path in args.merge:
+            part = json.loads(path.read_text())
+            res["runs"] += part["runs"]
+            for key, arms in part["servers"].items():
+                res["servers"].setdefault(key, {}).update(arms)
+        common.write_results(args.out, res, markdown(res))
+        print(markdown(res))
+        return
     from mlx_lm.utils import load_tokenizer
 
     from qfilters_mlx.assets.prepare_model import prepare_model
