@@ -486,3 +486,24 @@ def test_an_answer_keeps_its_decode_steps_instead_of_its_checkpoint_when_they_ar
     cache, rest = store.fetch_nearest_cache("m", prompt)  # the same prompt again
     assert len(rest) == 1
     _same(cache, _run(model, cfg, [prompt[:6], prompt[6:-1]], rewind=BUDGET + 1))
+
+
+def test_a_system_prompt_is_stored_once_a_second_request_repeats_it_whatever_follows_it():
+    """mlx-lm ends a system prompt's segment where the rendering with an empty user message
+    departs from the prompt, so two conversations under one system prompt may end it a token
+    apart (the first user token merging with the template's newline): the second still counts
+    as a repeat and is stored; an unrelated system prompt is not."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    system = _tokens(12, 0)
+
+    def insert(tokens):
+        caches = _build(model, cfg)
+        model(mx.array([tokens]), cache=caches)
+        store.insert_cache("m", tokens, caches, cache_type="system")
+        return store.stored_stats()["checkpoints"]
+
+    assert insert(system + [7]) == 0  # the first: remembered, not stored
+    assert insert(_tokens(13, 5)) == 0  # another system prompt, first time
+    assert insert(system + [8, 9]) == 1  # the same system prompt, ended a token later

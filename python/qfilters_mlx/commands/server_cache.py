@@ -65,6 +65,12 @@ CHECKPOINT_TYPES = ("user", "system")
 INT_BYTES = sys.getsizeof(2**16)
 """Bytes of one token id's int object (28 on 64-bit CPython)."""
 
+SYSTEM_END_SLACK = 3
+"""Tokens at the end of a system prompt's checkpoint that depend on the text after it (mlx-lm
+ends the segment where the rendering with an empty user message departs from the prompt: the
+first user token can merge with the template's newline), left out when a second request is
+asked whether it repeats a system prompt."""
+
 TURN_ENDS_KEPT = 4096
 """Stored entries remembered as turn ends (token count and hash of their tokens: where a
 request stopped and a later one may have continued), newest kept."""
@@ -204,14 +210,16 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             return journal_rows(cache) if self.journal_at_rest is None else self.journal_at_rest
 
         def _seen_before(self, model, tokens) -> bool:
-            """Whether a system prompt of these tokens came before (remembered from now on)."""
-            key = (model, len(tokens), hash(tuple(tokens)))
-            if key in self._systems:
-                return True
-            self._systems[key] = None
+            """Whether a system prompt's checkpoint of these tokens came before, up to its last
+            :data:`SYSTEM_END_SLACK` tokens (remembered from now on)."""
+            keys = [(model, n, hash(tuple(tokens[:n])))
+                    for n in range(max(1, len(tokens) - SYSTEM_END_SLACK), len(tokens) + 1)]
+            seen = any(k in self._systems for k in keys)
+            for k in keys:
+                self._systems[k] = None
             while len(self._systems) > TURN_ENDS_KEPT:
                 self._systems.popitem(last=False)
-            return False
+            return seen
 
         def _turn_ended(self, model, tokens) -> None:
             self._turn_ends[(model, len(tokens), hash(tuple(tokens)))] = None
