@@ -507,3 +507,15 @@ def test_a_system_prompt_is_stored_once_a_second_request_repeats_it_whatever_fol
     assert insert(system + [7]) == 0  # the first: remembered, not stored
     assert insert(_tokens(13, 5)) == 0  # another system prompt, first time
     assert insert(system + [8, 9]) == 1  # the same system prompt, ended a token later
+
+
+def test_a_finished_request_returns_mlxs_pool_of_freed_buffers():
+    """The resident memory a conversation leaves is what is stored: once a finished request's
+    answer is stored, MLX's cache of freed buffers (its temporaries) is empty."""
+    model = _wide_llama()
+    store = _store()
+    caches = _run(model, config(**WIDE), [_tokens(300, 3)], decode=_tokens(3, 4))
+    assert mx.get_cache_memory() > 0  # (the prefill's temporaries, pooled)
+    store.finishing = True
+    store.insert_cache("m", _tokens(303, 5), caches)
+    assert mx.get_cache_memory() == 0

@@ -176,7 +176,9 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
 
         Attributes:
             finishing: set by the generation loop just before it stores a finished
-                request's cache (that insert is logged with :func:`request_summary`).
+                request's cache (that insert is logged with :func:`request_summary`, and
+                MLX's pool of freed buffers is then returned: ``mx.clear_cache``, so that the
+                process keeps what is stored, not the largest request's temporaries).
         """
 
         journal_at_rest = None
@@ -266,6 +268,9 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             while self.nbytes > self.max_bytes and len(self._lru):
                 self._drop(*self._lru.pop(), in_lru=False)
             if done:
+                import mlx.core as mx
+
+                mx.clear_cache()  # (MLX's pool of freed buffers: a request's temporaries)
                 st = self.stored_stats()
                 logging.info(f"qfilters-mlx: {request_summary(prompt_cache, len(tokens))}; stored: "
                              f"{st['conversations']} conversations and {st['checkpoints']} "
