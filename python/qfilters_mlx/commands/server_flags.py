@@ -51,7 +51,7 @@ def cache_parser() -> argparse.ArgumentParser:
                         "(default: none; '*' for any; others: 403)")
     s.add_argument("--max-connections", type=_positive, default=None, metavar="N",
                    help="connections served at once (default 64; more: 503)")
-    s.add_argument("--body-timeout", type=float, default=None, metavar="S",
+    s.add_argument("--body-timeout", type=_seconds, default=None, metavar="S",
                    help="seconds a client has to send a request body (default 60; slower: 408)")
     return p
 
@@ -62,3 +62,13 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    import math
+
+    s = float(text)
+    if not (math.isfinite(s) and s > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return s
