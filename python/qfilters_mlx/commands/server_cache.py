@@ -51,19 +51,16 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import sys
 from collections import OrderedDict
 
 from qfilters_mlx.commands.server_calls import PREFILL, rewind_reach, rewind_target, rows_back_to
+from qfilters_mlx.commands.server_trie import key_nbytes
 
-__all__ = ["CHECKPOINT_TYPES", "drops_prefix", "journal_rows", "key_nbytes", "process_memory",
+__all__ = ["CHECKPOINT_TYPES", "drops_prefix", "journal_rows", "process_memory",
            "prompt_cache_class", "request_summary", "stored_rows"]
 
 CHECKPOINT_TYPES = ("user", "system")
 """mlx-lm's cache types of prompt checkpoints."""
-
-INT_BYTES = sys.getsizeof(2**16)
-"""Bytes of one token id's int object (28 on 64-bit CPython)."""
 
 SYSTEM_END_SLACK = 3
 """Tokens at the end of a system prompt's checkpoint that depend on the text after it (mlx-lm
@@ -93,13 +90,6 @@ def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: i
     if new_length - new_reach <= old_length:
         return True
     return not own_prompt
-
-
-def key_nbytes(tokens) -> int:
-    """Bytes a stored entry's token list holds: the list (``sys.getsizeof``) and an int
-    object per token (:data:`INT_BYTES`; ids under 257 are CPython's shared small ints, and
-    the trie's keys are the same objects)."""
-    return sys.getsizeof(tokens) + INT_BYTES * len(tokens)
 
 
 def journal_rows(cache) -> int:
@@ -205,7 +195,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
         @property
         def nbytes(self) -> int:
             """Bytes of every stored entry: the caches' ``nbytes``, their token lists and the
-            prompt trie's nodes (:func:`key_nbytes`, ``LinearTrie.nbytes``)."""
+            prompt trie's nodes (:func:`~.server_trie.key_nbytes`, ``LinearTrie.nbytes``)."""
             return self._n_bytes + self._trie.nbytes
 
         def _rest_rows(self, cache) -> int:

@@ -13,10 +13,20 @@ from __future__ import annotations
 import sys
 from collections import deque
 
-__all__ = ["NODE_BYTES", "linear_trie_class"]
+__all__ = ["INT_BYTES", "NODE_BYTES", "key_nbytes", "linear_trie_class"]
 
 NODE_BYTES = sys.getsizeof({0: {}})
 """Bytes of one trie node: a dict holding one child (224 on 64-bit CPython 3.11)."""
+
+INT_BYTES = sys.getsizeof(2**16)
+"""Bytes of one token id's int object (28 on 64-bit CPython)."""
+
+
+def key_nbytes(tokens) -> int:
+    """Bytes a stored entry's token list holds: the list (``sys.getsizeof``) and an int
+    object per token (:data:`INT_BYTES`; ids under 257 are CPython's shared small ints, and
+    the trie's keys are the same objects)."""
+    return sys.getsizeof(tokens) + INT_BYTES * len(tokens)
 
 
 def _longer(node):
