@@ -481,7 +481,8 @@ def test_an_answer_keeps_its_decode_steps_instead_of_its_checkpoint_when_they_ar
     entry = _entry(store, prompt + out)
     journal = max(sum(record_rows(r) for r in c._journal.records) for c in entry)
     # (answer + 1 steps: one row each but the step that entered slot mode, which keeps the
-    # score and position buffers before it)
+    # score and position buffers before it; an answer replacing its checkpoint also keeps what
+    # the checkpoint's journal would: here none, the prompt's call dropped more rows than REWIND)
     assert journal == (REWIND if checkpoint_stays else answer)
     cache, rest = store.fetch_nearest_cache("m", prompt)  # the same prompt again
     assert len(rest) == 1
@@ -519,3 +520,23 @@ def test_a_finished_request_returns_mlxs_pool_of_freed_buffers():
     store.finishing = True
     store.insert_cache("m", _tokens(303, 5), caches)
     assert mx.get_cache_memory() == 0
+
+
+def test_a_second_follow_up_reaches_the_turn_when_the_first_ones_answer_replaced_its_checkpoint():
+    """The first follow-up's answer (12 tokens: longer than the REWIND rows a checkpoint keeps,
+    shorter than the budget + 1 the caches journal while generating) replaces its checkpoint;
+    it keeps the checkpoint's journal too, so the second follow-up still reaches the turn and
+    its header, as mlx-lm's full caches do."""
+    model = tiny_llama()
+    cfg = config()
+    store = prompt_cache_class(cache_module, REWIND)()
+    deep = lambda: _build(model, cfg, rewind=BUDGET + 1)  # noqa: E731
+    prompt = _tokens(6, 0) + _tokens(40, 1)
+    _, out = _serve(store, model, cfg, prompt, 4, sys_end=6, fresh=deep)
+    turn = prompt + out
+    first, _ = _serve(store, model, cfg, turn + [50, 51] + _tokens(4, 5), 12, sys_end=6, fresh=deep,
+                      turn=len(turn) + 2)
+    assert first == len(turn) and store.stored_stats()["checkpoints"] == 0  # (replaced)
+    second, _ = _serve(store, model, cfg, turn + [50, 51] + _tokens(4, 6), 4, sys_end=6, fresh=deep,
+                       turn=len(turn) + 2)
+    assert second == len(turn) + 2

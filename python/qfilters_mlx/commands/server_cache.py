@@ -235,9 +235,9 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                 checkpoint = stored_rows(self._trie.get(model, tokens[:own]).prompt_cache)
                 if back is not None and back > checkpoint:
                     back = None  # (the checkpoint holds fewer rows: it stays)
-            for c in prompt_cache:
-                if hasattr(c, "shrink_to_fit"):
-                    c.shrink_to_fit(max(self._rest_rows(c), back or 0))
+            for c in prompt_cache:  # (an answer that replaces its checkpoint also keeps the
+                if hasattr(c, "shrink_to_fit"):  # journal the checkpoint would have kept)
+                    c.shrink_to_fit(self._rest_rows(c) + (back or 0))
             reach = rewind_reach(prompt_cache)
             entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache)
                                     + key_nbytes(tokens), cache_type)
