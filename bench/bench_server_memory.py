@@ -1,33 +1,33 @@
-"""Memory and prompt reuse of ``qfilters-mlx server`` against ``mlx_lm.server``, per conversation.
+"""Memory and prompt reuse of ``qfilters-mlx server`` against ``mlx_lm.server``, per conversation,
+over the shapes chats take.
 
 Both servers run SmolLM2-135M-Instruct (float32) on 127.0.0.1 as subprocesses (OpenBLAS
 preloaded for both), ``--prompt-cache-size 64`` (every conversation stays stored). Ours runs
-with its defaults and ``--budget B`` (the calibrated query filter of
-``bench/results/smollm2_filters.safetensors``, so that no start calibrates); the anchor keeps
-mlx-lm's full ``KVCache``.
+with its defaults (the default budget, 256) and the calibrated query filter of
+``bench/results/smollm2_filters.safetensors`` (so that no start calibrates); the anchor keeps
+mlx-lm's full ``KVCache``. Every request is greedy with the end-of-turn token banned
+(``logit_bias`` -100), so each answer is exactly its ``max_tokens`` long.
 
-Per prompt length L (tokens of the whole chat prompt) and server, on one fresh server:
+**Matrix.** Per prompt length L (tokens of the chat prompt: 2,048 and 7,680, the longest that
+leaves room for a 400-token answer in the model's 8,192) and answer length A (16, 100, 400
+tokens), one fresh server per arm gets three groups of N conversations, one after another:
+no system prompt, one system prompt shared by all, and a system prompt of each conversation's
+own. A conversation is one user message (a span of CPython's documentation, ``pydoc_data``,
+then "Summarize the text above."). After each: the server's RSS and (ours) ``/health``'s
+stored bytes. A group's growth per conversation is (RSS after its last conversation - RSS
+before its first) / N. Then reuse (``usage.prompt_tokens_details.cached_tokens``): the shared
+group's first conversation again (a regenerated answer), a follow-up turn of it, and it with
+its last sentence edited (diverging a few tokens before the prompt's end); reuse probes
+answer 16 tokens.
 
-1. **memory**: N distinct conversations (a system prompt, then one user message: a span of
-   CPython's documentation, ``pydoc_data``, and "Summarize the text above."), 16 tokens
-   answered greedily, sent one after another; after each: the server's RSS and ``/health``
-   (ours: stored bytes as held at rest, the process's MLX active bytes).
-2. **reuse** (``usage.prompt_tokens_details.cached_tokens``): the first conversation again
-   (a regenerated answer), a follow-up turn of it, a new conversation under the same system
-   prompt, and the first conversation with its last sentence edited (diverging a few tokens
-   before the prompt's end).
-
-The growth per conversation is ``(RSS after N - RSS after 1) / (N - 1)``, and the
-least-squares slope of RSS over the N conversations beside it (RSS moves with MLX's buffer
-cache by tens of MB between requests). Ours: ``/health`` is read once the answer is stored;
-the stored bytes and MLX's active bytes per conversation are their growth from after the
-warm-up request to after the last conversation, divided by N. The bound a stored
-conversation is checked against: ``budget + 1 + max_rewind`` rows per layer (kept rows, the
-decode slot, the rewind journal), twice when the answer is longer than the rewind depth.
+**Shapes.** One more server per arm: N units of two follow-ups of one turn (a 2,048-token
+turn answered in 100 tokens, then two different follow-up questions to it, one after the
+other: the second's reuse against the anchor's), then N chats of 10 turns (each turn a
+200-token span and a question, answered in 100 tokens).
 
 Writes ``bench/results/server_memory.json`` and ``.md``. Run from the repository root:
-``python bench/bench_server_memory.py`` (``--help`` for the sizes; ``--lengths 2048`` alone
-takes a few minutes).
+``python bench/bench_server_memory.py`` (``--help``: lengths, answers, counts, ``--arms``;
+``--resume`` keeps the servers already measured in ``--out``).
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ FILTERS = ROOT / "bench" / "results" / "smollm2_filters.safetensors"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 SYSTEM = "You are a careful assistant. Answer in one or two sentences."
 ASK = " Summarize the text above."
-MAX_TOKENS = 16
-LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
-MAX_REWIND = 64  # the server's default --max-rewind
+SYSTEMS = ("none", "shared", "own")
+PROBE_TOKENS = 16
+TURN_TOKENS = 200  # user text per turn of the 10-turn chat
+EOT = 2  # SmolLM2's <|im_end|>: banned so that every answer is max_tokens long
+RATIO_BAR, STORED_BAR_MB = 1 / 3, 30.0
 
 
 def _env():
@@ -62,50 +64,66 @@ def _env():
     return env
 
 
-def argv(arm: str, model: Path, budget: int | None) -> list[str]:
+def argv(arm: str, model: Path) -> list[str]:
     common_flags = ["--model", str(model), "--prompt-cache-size", "64"]
     if arm == "mlx_lm":
         return [sys.executable, "-m", "mlx_lm", "server", *common_flags]
     return [sys.executable, "-m", "qfilters_mlx.commands.cli", "server", *common_flags,
-            "--budget", str(budget), "--filters", str(FILTERS)]
+            "--filters", str(FILTERS)]
 
 
-def texts(tokenizer, length: int, n: int) -> list[str]:
-    """``n`` disjoint spans of CPython's documentation, each making a chat prompt of about
-    ``length`` tokens with :data:`SYSTEM` and :data:`ASK`."""
-    from qfilters_mlx.assets.prompts import source_text
-
-    ids = tokenizer.encode(source_text(), add_special_tokens=False)
-    over = len(_ids(tokenizer, ""))
-    span = length - over
-    if (n + 1) * span > len(ids):
-        raise ValueError(f"{n} spans of {span} tokens need more text than pydoc_data has")
-    return [tokenizer.decode(ids[i * span:(i + 1) * span]) for i in range(n + 1)]
+def _system(kind: str, i: int) -> list[dict]:
+    if kind == "none":
+        return []
+    own = f"Session {i}. " if kind == "own" else ""
+    return [{"role": "system", "content": own + SYSTEM}]
 
 
-def _messages(text: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text + ASK}]
+def _messages(kind: str, i: int, text: str) -> list[dict]:
+    return _system(kind, i) + [{"role": "user", "content": text + ASK}]
 
 
-def _ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(_messages(text), add_generation_prompt=True)
+def _ids(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return ids if isinstance(ids, list) else ids["input_ids"]
 
 
-def _ask(port, messages) -> dict:
-    status, reply = post_json(port, CHAT, {"messages": messages, "max_tokens": MAX_TOKENS,
-                                            "temperature": 0.0}, timeout=1800)
+class Texts:
+    """Disjoint spans of CPython's documentation, handed out in order."""
+
+    def __init__(self, tokenizer):
+        from qfilters_mlx.assets.prompts import source_text
+
+        self.tokenizer = tokenizer
+        self.ids = tokenizer.encode(source_text(), add_special_tokens=False)
+        self.at = 0
+
+    def span(self, tokens: int) -> str:
+        if self.at + tokens > len(self.ids):
+            raise ValueError("pydoc_data has no more text for these sizes")
+        self.at += tokens
+        return self.tokenizer.decode(self.ids[self.at - tokens:self.at])
+
+    def prompt_text(self, length: int) -> str:
+        """A user text making a chat prompt of about ``length`` tokens with the shared system."""
+        over = len(_ids(self.tokenizer, _messages("shared", 0, "")))
+        return self.span(length - over)
+
+
+def _ask(port, messages, max_tokens) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "logit_bias": {str(EOT): -100}}
+    status, reply = post_json(port, CHAT, body, timeout=3600)
     if status != 200:
         raise RuntimeError(f"HTTP {status}: {reply}")
     usage = reply["usage"]
-    return {"prompt_tokens": usage["prompt_tokens"], "answer": answer(reply),
-            "reused": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "answer": answer(reply), "reused": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
 
 
 def _settled(port, arm, answers, timeout=120.0) -> dict | None:
-    """``/health``'s ``stored`` once ``answers`` answers are stored (the generation loop stores
-    a finished request's cache right after its reply); ``None`` for the anchor (no such
-    field)."""
+    """``/health``'s ``stored`` once at least ``answers`` answers are stored (the generation loop
+    stores a finished request's cache right after its reply); ``None`` for the anchor."""
     if arm == "mlx_lm":
         return None
     deadline = time.time() + timeout
@@ -117,123 +135,256 @@ def _settled(port, arm, answers, timeout=120.0) -> dict | None:
         time.sleep(0.2)
 
 
-def run_server(arm, model, budget, spans, log_dir, tag) -> dict:
-    server = ServerProcess(argv(arm, model, budget), log_dir / f"{arm}-{tag}.log", env=_env(),
-                           start_timeout=600)
-    out = {"arm": arm, "budget": budget, "conversations": []}
+class Run:
+    """One server and its measurements (``out``): groups of conversations with RSS and stored
+    bytes before and after each group."""
+
+    def __init__(self, arm, model, log):
+        self.arm = arm
+        self.server = ServerProcess(argv(arm, model), log, env=_env(), start_timeout=900)
+        self.answers = 0
+        self.out = {"arm": arm, "groups": {}}
+        self.ask([{"role": "user", "content": "Hello."}], 4)  # (warm-up, stored too)
+
+    def ask(self, messages, max_tokens) -> dict:
+        r = _ask(self.server.port, messages, max_tokens)
+        self.answers += 1
+        self.stored = _settled(self.server.port, self.arm, self.answers)
+        return r
+
+    def point(self) -> dict:
+        s = self.stored or {}
+        return {"rss_mb": self.server.rss_mb(), "stored_bytes": s.get("bytes"),
+                "active_bytes": (s.get("process") or {}).get("active_bytes")}
+
+    def group(self, name, units) -> None:
+        """``units``: callables, each one conversation (it asks what it asks)."""
+        g = {"before": self.point(), "conversations": []}
+        for unit in units:
+            g["conversations"].append({"requests": unit(), **self.point()})
+        g["after"] = g["conversations"][-1]
+        self.out["groups"][name] = g
+
+    def stop(self):
+        self.server.stop()
+
+
+def matrix_server(arm, model, tokenizer, L, A, n, log) -> dict:
+    texts = Texts(tokenizer)
+    run = Run(arm, model, log)
     try:
-        _ask(server.port, [{"role": "user", "content": "Hello."}])  # (warm-up, stored too)
-        out["health_start"] = _settled(server.port, arm, 1)
-        out["rss_start_mb"] = server.rss_mb()
-        first = None
-        for i, text in enumerate(spans[:-1]):
-            r = _ask(server.port, _messages(text))
-            first = first or r
-            stored = _settled(server.port, arm, i + 2)
-            out["conversations"].append({**r, "rss_mb": server.rss_mb(), "stored": stored})
-        msgs = _messages(spans[0])
-        reuse = {"regenerated": _ask(server.port, msgs)}
-        reuse["follow_up"] = _ask(server.port, msgs + [
-            {"role": "assistant", "content": first["answer"]},
-            {"role": "user", "content": "Which word of the text above is the longest?"}])
-        reuse["same_system_prompt"] = _ask(server.port, _messages(spans[-1]))
-        edited = spans[1][: -40] + " (edited)" + spans[1][-40:]
-        reuse["edited_message"] = _ask(server.port, _messages(edited))
-        out["reuse"] = reuse
-        out["rss_end_mb"] = server.rss_mb()
-        _, h = get_json(server.port, "/health")
-        out["health_end"] = h.get("stored")
+        first = {}
+        for k, kind in enumerate(SYSTEMS):
+            units = []
+            for j in range(n):
+                msgs = _messages(kind, 1000 * k + j, texts.prompt_text(L))
+                units.append(lambda msgs=msgs: [run.ask(msgs, A)])
+                first.setdefault(kind, msgs)
+            run.group(kind, units)
+        msgs = first["shared"]
+        said = run.out["groups"]["shared"]["conversations"][0]["requests"][0]["answer"]
+        reuse = {"regenerated": run.ask(msgs, PROBE_TOKENS),
+                 "follow_up": run.ask(msgs + [{"role": "assistant", "content": said},
+                                              {"role": "user", "content": "Which word above is the longest?"}],
+                                      PROBE_TOKENS)}
+        text = msgs[-1]["content"]
+        edited = text[:-len(ASK) - 40] + " (edited)" + text[-len(ASK) - 40:]
+        reuse["edited_message"] = run.ask(msgs[:-1] + [{"role": "user", "content": edited}], PROBE_TOKENS)
+        run.out["reuse"] = reuse
     finally:
-        server.stop()
-    rss = [c["rss_mb"] for c in out["conversations"]]
-    n = len(rss)
-    out["rss_growth_per_conversation_mb"] = (rss[-1] - rss[0]) / (n - 1) if n > 1 else None
-    out["rss_per_conversation_from_start_mb"] = (rss[-1] - out["rss_start_mb"]) / n
-    return out
+        run.stop()
+    return run.out
 
 
-def bound_bytes(budget: int) -> int:
-    """Bytes one stored cache of SmolLM2 holds at most at rest: ``budget + 1 + max_rewind``
-    rows per layer (K and V float32, a float32 score and an int64 position per row and KV
-    head) plus the float32 filter ``[H_kv, D]`` per layer."""
-    row = KV_HEADS * (2 * HEAD_DIM * 4 + 4 + 8)
-    return LAYERS * ((budget + 1 + MAX_REWIND) * row + KV_HEADS * HEAD_DIM * 4)
+def shapes_server(arm, model, tokenizer, n, log, turn_answer=100) -> dict:
+    texts = Texts(tokenizer)
+    run = Run(arm, model, log)
+
+    def siblings(i):
+        msgs = _messages("shared", 0, texts.prompt_text(2048))
+        said = run.ask(msgs, turn_answer)
+        turn = msgs + [{"role": "assistant", "content": said["answer"]}]
+        a = run.ask(turn + [{"role": "user", "content": "Which word above is the longest?"}], turn_answer)
+        b = run.ask(turn + [{"role": "user", "content": "Name three topics of the text above."}], turn_answer)
+        return [said, a, b]
+
+    def chat(i):
+        msgs, out = _messages("own", 2000 + i, "")[:-1], []
+        for t in range(10):
+            msgs = msgs + [{"role": "user", "content": texts.span(TURN_TOKENS) + " What is this about?"}]
+            out.append(run.ask(msgs, turn_answer))
+            msgs = msgs + [{"role": "assistant", "content": out[-1]["answer"]}]
+        return out
+
+    try:
+        run.group("siblings", [lambda i=i: siblings(i) for i in range(n)])
+        run.group("chat10", [lambda i=i: chat(i) for i in range(n)])
+    finally:
+        run.stop()
+    return run.out
 
 
-def _slope(r) -> float | None:
-    """Least-squares slope of RSS (MB) over the conversations stored (``None``: under two)."""
-    import numpy as np
-
-    if not r or len(r["conversations"]) < 2:
+# ------------------------------------------------------------------ report
+def per_conversation(g, key) -> float | None:
+    a, b = g["before"].get(key), g["after"].get(key)
+    if a is None or b is None:
         return None
-    y = np.array([c["rss_mb"] for c in r["conversations"]])
-    return float(np.polyfit(np.arange(len(y)), y, 1)[0])
+    return (b - a) / len(g["conversations"])
+
+
+def within_group(g, key) -> float | None:
+    """Growth per conversation after a group's first one: (after its last - after its first)
+    / (N - 1); leaves out what the first conversation of a group brings (the allocator's pool
+    growing for the first long prompt, the first request after another kind)."""
+    cs = g["conversations"]
+    if len(cs) < 2 or cs[0].get(key) is None or cs[-1].get(key) is None:
+        return None
+    return (cs[-1][key] - cs[0][key]) / (len(cs) - 1)
+
+
+def pooled(run, key="rss_mb") -> float | None:
+    """Growth per conversation over a whole matrix server after its first conversation (the
+    three groups in order: (after the last - after the first) / (conversations - 1))."""
+    if not run:
+        return None
+    cs = [c for name in SYSTEMS if name in run["groups"] for c in run["groups"][name]["conversations"]]
+    if len(cs) < 2 or cs[0].get(key) is None or cs[-1].get(key) is None:
+        return None
+    return (cs[-1][key] - cs[0][key]) / (len(cs) - 1)
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def _cells(res):
+    for key, arms in res["servers"].items():
+        if key == "shapes":
+            continue
+        L, A = key.split("/")
+        yield int(L), int(A), arms
 
 
 def markdown(res) -> str:
-    lines = [f"# `qfilters-mlx server` vs `mlx_lm.server`: memory and reuse per conversation "
-             f"(SmolLM2-135M float32)", "",
-             f"Machine: {res['meta']['machine']}; runs (load average at start): "
-             + "; ".join(f"`{r['command']}` ({r['meta']['loadavg_start'][0]:.1f})"
-                         for r in res.get("runs", [res])) + ". "
-             f"{MAX_TOKENS} tokens answered per request (greedy). Ours: its defaults "
-             f"(`--max-rewind {MAX_REWIND}`, `--prefill-step-size 2048`) and `--budget B`; "
-             "the anchor: `mlx_lm.server` (full `KVCache`). Both `--prompt-cache-size 64`.", ""]
+    runs = "; ".join(f"`{r['command']}` (load average at start {r['meta']['loadavg_start'][0]:.1f})"
+                     for r in res["runs"])
+    lines = ["# `qfilters-mlx server` vs `mlx_lm.server`: memory and reuse per conversation "
+             "(SmolLM2-135M float32)", "",
+             f"Machine: {res['runs'][-1]['meta']['machine']}; runs: {runs}. Ours: its defaults "
+             "(budget 256, `--max-rewind 64`, `--prefill-step-size 2048`); the anchor: `mlx_lm.server` "
+             "(full `KVCache`); both `--prompt-cache-size 64`, greedy, every answer exactly its "
+             "length (end of turn banned). Growth per conversation: RSS after a group of N "
+             "conversations minus RSS before it, over N; stored: `/health` `stored.bytes`, the same "
+             f"difference. Bar: growth at most {RATIO_BAR:.2f} of the anchor's and stored at most "
+             f"{STORED_BAR_MB:g} MB per conversation.", ""]
     rows = []
-    for L, arms in res["lengths"].items():
-        anchor = arms.get("mlx_lm", {}).get("rss_growth_per_conversation_mb")
-        for key, r in arms.items():
-            g = r["rss_growth_per_conversation_mb"]
-            st = r.get("health_end") or {}
-            per = active = None
-            if r["conversations"][-1]["stored"]:
-                a, b = r["health_start"], r["conversations"][-1]["stored"]
-                n = len(r["conversations"])
-                per = (b["bytes"] - a["bytes"]) / n  # (the warm-up's entry left out)
-                active = (b["process"]["active_bytes"] - a["process"]["active_bytes"]) / n
-            bound = bound_bytes(r["budget"]) if r["budget"] else None
-            rss = " / ".join(f"{c['rss_mb']:,.0f}" for c in r["conversations"])
-            fit, fit_anchor = _slope(r), _slope(arms.get("mlx_lm"))
-            rows.append([L, key, len(r["conversations"]), rss, f"{g:,.1f}" if g is not None else "-",
-                         f"{g / anchor:.2f}" if g is not None and anchor else "-",
-                         f"{fit:,.1f} ({fit / fit_anchor:.2f})" if fit is not None and fit_anchor else "-",
-                         f"{per / 1e6:,.2f}" if per is not None else "-",
-                         f"{per / bound:.2f}" if per is not None and bound else "-",
-                         f"{active / 1e6:,.2f}" if active is not None else "-"])
-    lines += common.md_table(["prompt tokens", "server", "conversations", "RSS after each (MB)",
-                              "growth per conversation (MB)", "vs anchor",
-                              "least-squares slope (MB; vs anchor)",
-                              "/health stored per conversation (MB)", "vs budget + journal bound",
-                              "MLX active growth per conversation (MB)"], rows, "rlrlrrrrrr")
-    lines += ["", "Reuse (tokens of the prompt served from a stored cache, `cached_tokens`; "
-              "prompt tokens in brackets):", ""]
+    for L, A, arms in _cells(res):
+        anchor, ours = arms.get("mlx_lm"), arms.get("qfilters")
+        for kind in SYSTEMS:
+            ga = anchor and anchor["groups"].get(kind)
+            go = ours and ours["groups"].get(kind)
+            a = per_conversation(ga, "rss_mb") if ga else None
+            o = per_conversation(go, "rss_mb") if go else None
+            wa = within_group(ga, "rss_mb") if ga else None
+            wo = within_group(go, "rss_mb") if go else None
+            s = per_conversation(go, "stored_bytes") if go else None
+            s = None if s is None else s / 1e6
+            ratio = o / a if o is not None and a else None
+            wratio = wo / wa if wo is not None and wa else None
+            ok = "-" if ratio is None or s is None else (
+                "yes" if ratio <= RATIO_BAR and s <= STORED_BAR_MB else "no")
+            wok = "-" if wratio is None or s is None else (
+                "yes" if wratio <= RATIO_BAR and s <= STORED_BAR_MB else "no")
+            n = len((go or ga or {"conversations": []})["conversations"])
+            rows.append([f"{L:,}", A, kind, n, _mb(a), _mb(o), "-" if ratio is None else f"{ratio:.2f}",
+                         f"{_mb(wa)} / {_mb(wo)} ({'-' if wratio is None else f'{wratio:.2f}'})",
+                         _mb(s), f"{ok} / {wok}"])
+        pa, po = pooled(anchor), pooled(ours)
+        ps = pooled(ours, "stored_bytes")
+        ps = None if ps is None else ps / 1e6
+        pr = po / pa if po is not None and pa else None
+        pok = "-" if pr is None or ps is None else (
+            "yes" if pr <= RATIO_BAR and ps <= STORED_BAR_MB else "no")
+        n = sum(len(g["conversations"]) for g in (ours or anchor or {"groups": {}})["groups"].values())
+        rows.append([f"{L:,}", A, "**all three, after the first**", n - 1, _mb(pa), _mb(po),
+                     "-" if pr is None else f"**{pr:.2f}**", "", _mb(ps), pok])
+    lines += common.md_table(["prompt tokens", "answer tokens", "system prompt", "N",
+                              "mlx_lm growth per conversation (MB)", "ours (MB)", "ours / mlx_lm",
+                              "after the group's first: mlx_lm / ours (MB; ratio)",
+                              "ours stored per conversation (MB)", "within the bar (both measures)"],
+                             rows, "rrlrrrrrrl")
+    lines += ["", "Reuse (tokens of the prompt served from a stored cache, `cached_tokens`; prompt "
+              "tokens in brackets), on the shared-system-prompt group's first conversation:", ""]
     rows = []
-    for L, arms in res["lengths"].items():
-        for key, r in arms.items():
+    for L, A, arms in _cells(res):
+        for arm in ("mlx_lm", "qfilters"):
+            r = arms.get(arm)
+            if not r or "reuse" not in r:
+                continue
             u = r["reuse"]
-            rows.append([L, key] + [f"{u[k]['reused']:,} ({u[k]['prompt_tokens']:,})" for k in
-                                    ("regenerated", "follow_up", "same_system_prompt", "edited_message")])
-    lines += common.md_table(["prompt tokens", "server", "regenerated answer", "follow-up turn",
-                              "same system prompt", "edited last message"], rows, "rlrrrr")
-    lines += ["", "A regenerated answer, a follow-up turn and a conversation under the same system "
-              "prompt reuse what the anchor reuses; an edited message is recomputed from the "
-              "nearest stored point below the edit (the system prompt's checkpoint) where the "
-              "anchor trims its full cache back to the edit.", ""]
+            shared = r["groups"]["shared"]["conversations"]
+            second = shared[1]["requests"][0] if len(shared) > 1 else None
+            rows.append([f"{L:,}", A, arm] + ["-" if x is None else
+                                              f"{x['reused']:,} ({x['prompt_tokens']:,})" for x in
+                                              (u["regenerated"], u["follow_up"], second, u["edited_message"])])
+    lines += common.md_table(["prompt tokens", "answer tokens", "server", "regenerated answer",
+                              "follow-up turn", "same system prompt", "edited last message"],
+                             rows, "rrlrrrr")
+    shapes = res["servers"].get("shapes", {})
+    lines += ["", "Two more shapes: two follow-ups of one 2,048-token turn sent one after the other, "
+              "and a 10-turn chat (200-token turns); answers of 100 tokens:", ""]
+    rows = []
+    for name in ("siblings", "chat10"):
+        ga = (shapes.get("mlx_lm") or {}).get("groups", {}).get(name)
+        go = (shapes.get("qfilters") or {}).get("groups", {}).get(name)
+        a = per_conversation(ga, "rss_mb") if ga else None
+        o = per_conversation(go, "rss_mb") if go else None
+        s = per_conversation(go, "stored_bytes") if go else None
+        s = None if s is None else s / 1e6
+
+        def reuse(g):
+            if not g:
+                return "-"
+            last = g["conversations"][-1]["requests"][-1]
+            return f"{last['reused']:,} ({last['prompt_tokens']:,})"
+
+        ratio = o / a if o is not None and a else None
+        n = len((go or ga or {"conversations": []})["conversations"])
+        rows.append([name, n, _mb(a), _mb(o), "-" if ratio is None else f"{ratio:.2f}", _mb(s),
+                     reuse(ga), reuse(go)])
+    lines += common.md_table(["shape", "N", "mlx_lm growth per conversation (MB)", "ours (MB)",
+                              "ours / mlx_lm", "ours stored per conversation (MB)",
+                              "last request's reuse, mlx_lm", "ours"], rows, "lrrrrrrr")
+    lines += [""]
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=common.int_list, default=[2048, 8000])
-    p.add_argument("--budgets", type=common.int_list, default=[64, 256])
-    p.add_argument("--conversations", type=int, default=4, help="per length up to 2,048 tokens")
-    p.add_argument("--conversations-long", type=int, default=2, help="per longer length")
+    p.add_argument("--lengths", type=common.int_list, default=[2048, 7680])
+    p.add_argument("--answers", type=common.int_list, default=[16, 100, 400])
+    p.add_argument("--conversations", type=int, default=2, help="per group (N)")
+    p.add_argument("--arms", default="mlx_lm,qfilters")
+    p.add_argument("--matrix", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--shapes", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "server_memory.json")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/qfilters-server-memory"))
     p.add_argument("--resume", action="store_true",
-                   help="keep the servers already measured in --out (same budgets and counts), "
-                        "run the rest")
+                   help="keep the servers already measured in --out, run the rest")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only write --out from these results files (runs of other --arms), "
+                        "servers and runs joined")
     args = p.parse_args()
+    if args.merge:
+        res = {"servers": {}, "runs": []}
+        for path in args.merge:
+            part = json.loads(path.read_text())
+            res["runs"] += part["runs"]
+            for key, arms in part["servers"].items():
+                res["servers"].setdefault(key, {}).update(arms)
+        common.write_results(args.out, res, markdown(res))
+        print(markdown(res))
+        return
     from mlx_lm.utils import load_tokenizer
 
     from qfilters_mlx.assets.prepare_model import prepare_model
@@ -241,23 +392,27 @@ def main() -> None:
     model = prepare_model()
     tokenizer = load_tokenizer(model)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    res = {"meta": common.run_meta(), "command": "python bench/bench_server_memory.py "
-           + " ".join(a for a in sys.argv[1:] if a != "--resume"), "lengths": {}}
+    command = "python bench/bench_server_memory.py " + " ".join(a for a in sys.argv[1:] if a != "--resume")
+    res = {"servers": {}, "runs": []}
     if args.resume and args.out.exists():
-        old = json.loads(args.out.read_text())
-        res["lengths"] = old["lengths"]
-        res["runs"] = old.get("runs", [{"command": old["command"], "meta": old["meta"]}])
-    res.setdefault("runs", []).append({"command": res["command"], "meta": res["meta"]})
-    for L in args.lengths:
-        n = args.conversations if L <= 2048 else args.conversations_long
-        spans = texts(tokenizer, L, n)
-        arms = res["lengths"].setdefault(str(L), {})
-        for arm, budget in [("mlx_lm", None)] + [("qfilters", b) for b in args.budgets]:
-            key = arm if budget is None else f"qfilters@{budget}"
-            if key in arms and len(arms[key]["conversations"]) == n:
+        res = json.loads(args.out.read_text())
+    res["runs"].append({"command": command, "meta": common.run_meta()})
+    arms = args.arms.split(",")
+    jobs = [(f"{L}/{A}", L, A) for L in args.lengths for A in args.answers] if args.matrix else []
+    if args.shapes:
+        jobs.append(("shapes", None, None))
+    for key, L, A in jobs:
+        for arm in arms:
+            done = res["servers"].setdefault(key, {})
+            if arm in done:
                 continue  # (--resume: measured before)
-            print(f"L={L} {key}: {n} conversations", flush=True)
-            arms[key] = run_server(arm, model, budget, spans, args.log_dir, f"{L}-{key}")
+            print(f"{key} {arm}: {args.conversations} per group", flush=True)
+            log = args.log_dir / f"{arm}-{key.replace('/', '-')}.log"
+            if L is None:
+                done[arm] = shapes_server(arm, model, tokenizer, args.conversations, log)
+            else:
+                done[arm] = matrix_server(arm, model, tokenizer, L, A, args.conversations, log)
+            done[arm]["command"] = command
             common.write_results(args.out, res, markdown(res))
     print(markdown(res))
 

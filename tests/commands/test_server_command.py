@@ -78,23 +78,30 @@ def test_stored_conversations_never_ask_for_a_rewind_the_cache_cannot_do():
     import mlx.core as mx
     import mlx_lm.models.cache as cache_module
 
-    from qfilters_mlx.commands.server_cache import prompt_cache_class, rewind_reach
+    from qfilters_mlx.commands.server_cache import prompt_cache_class
+    from qfilters_mlx.commands.server_calls import rewind_reach
 
     model = tiny_llama()
     store = prompt_cache_class(cache_module)()
+    store.prefill_step = 12
     cfg = config()
     toks = list(range(1, 41))
-    head = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
-    model(mx.array([toks[:10]]), cache=head)
-    store.insert_cache("m", toks[:10], head, cache_type="system")
+    for _ in range(2):  # (a system prompt's checkpoint is stored once a second request repeats it)
+        head = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
+        model(mx.array([toks[:10]]), cache=head)
+        store.insert_cache("m", toks[:10], head, cache_type="system")
     full = KVCacheBuilder.for_model(model, cfg, max_rewind=4)
-    model(mx.array([toks[:36]]), cache=full)
-    model(mx.array([toks[36:]]), cache=full)
+    for a in range(0, 40, 12):  # the calls of a 12-token prefill step
+        model(mx.array([toks[a:a + 12]]), cache=full)
     assert full[0].evicted and rewind_reach(full) == 4
     store.insert_cache("m", toks, full)
     assert len(store) == 2  # the 10-token prefix is 30 tokens back: kept
-    cache, rest = store.fetch_nearest_cache("m", toks[:37] + [99, 98])  # 3 back: a rewind
-    assert rest == [99, 98] and cache[0].offset == 37
+    cache, rest = store.fetch_nearest_cache("m", toks[:36] + [99, 98])  # 4 back: a rewind
+    assert rest == [99, 98] and cache[0].offset == 36
+    # 2 back, inside the recorded call [36, 40): rewound to its start, a call boundary the
+    # prompt's cold run also has (a multiple of the step), never into the call
+    cache, rest = store.fetch_nearest_cache("m", toks[:38] + [99, 98])
+    assert rest == toks[36:38] + [99, 98] and cache[0].offset == 36
     cache, rest = store.fetch_nearest_cache("m", toks[:20] + [99])  # 20 back: the prefix instead
     assert rest == toks[10:20] + [99] and cache[0].offset == 10
 
@@ -108,7 +115,8 @@ def test_the_generation_loop_restarts_and_fails_the_requests_in_flight():
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands.server_http import GenerationFailed, error_status, generator_class
+    from qfilters_mlx.commands.server_errors import GenerationFailed, error_status
+    from qfilters_mlx.commands.server_loop import generator_class
 
     calls = []
 
@@ -152,7 +160,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands import server_http
+    from qfilters_mlx.commands import server_loop
 
     class BadFilters:
         cli_args = SimpleNamespace()
@@ -161,7 +169,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
             raise ValueError("not a filters file")
 
     with pytest.raises(ValueError, match="not a filters file"):
-        server_http.generator_class(mlx_server)(BadFilters(), mlx_server.LRUPromptCache(2))
+        server_loop.generator_class(mlx_server)(BadFilters(), mlx_server.LRUPromptCache(2))
 
     class Loads:
         cli_args = SimpleNamespace()
@@ -169,7 +177,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
         def load_default(self):
             pass
 
-    class AlwaysFails(server_http.generator_class(mlx_server)):
+    class AlwaysFails(server_loop.generator_class(mlx_server)):
         def _generate(self):
             raise RuntimeError("every pass")
 
@@ -177,7 +185,7 @@ def test_a_failing_load_stops_the_start_and_a_loop_failing_every_pass_gives_up()
     deadline = time.time() + 10
     while gen.generation_available() and time.time() < deadline:
         time.sleep(0.05)
-    assert not gen.generation_available() and gen.loop_restarts == server_http.RESTARTS_ALLOWED
+    assert not gen.generation_available() and gen.loop_restarts == server_loop.RESTARTS_ALLOWED
     gen.stop_and_join()
 
 
@@ -195,7 +203,8 @@ def test_a_request_that_fails_after_it_was_admitted_gets_an_error_never_an_empty
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands.server_http import GenerationFailed, handler_class
+    from qfilters_mlx.commands.server_errors import GenerationFailed
+    from qfilters_mlx.commands.server_http import handler_class
     from qfilters_mlx.commands.server_requests import Served
 
     class Generator:
@@ -253,7 +262,8 @@ def test_a_prompt_that_renders_to_nothing_or_fails_is_the_requests_error(render,
 
     import mlx_lm.server as mlx_server
 
-    from qfilters_mlx.commands.server_http import error_status, generator_class
+    from qfilters_mlx.commands.server_errors import error_status
+    from qfilters_mlx.commands.server_loop import generator_class
     from qfilters_mlx.commands.server_requests import RequestError, Served
 
     class Tokenizer:

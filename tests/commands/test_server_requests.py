@@ -6,6 +6,7 @@ OpenAI chat/completions field types plus the ranges in the module (vocabulary fr
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -112,11 +113,12 @@ def test_the_corpus_agrees_with_the_checks():
     """Every corpus case sent as a well-formed chat or text body is refused by these checks
     with the status and field the integration tier expects (the rest are transport cases)."""
     for case in cases():
-        if case.raw is None or case.status != 400 or case.param in ("body", None):
-            continue  # (raw cases: test_raw_bodies; param None: refused after tokenization)
+        if case.raw is None or case.status != 400 or case.param in ("body", None) \
+                or case.name.startswith("after-tokenization."):
+            continue  # (raw cases: test_raw_bodies; the rest: refused after tokenization)
         endpoint = "chat" if case.path == CHAT else "text"
         with pytest.raises(RequestError) as info:
-            check_body(parse_body(case.raw), endpoint, Served(vocab_size=49152))
+            check_body(parse_body(case.raw), endpoint, Served(vocab_size=49152, max_prompt_tokens=8192))
         assert (info.value.status, info.value.field) == (400, case.param), case.name
 
 
@@ -173,3 +175,130 @@ def test_prompt_text_far_over_the_token_limit_is_refused_before_tokenization():
         check_body({"messages": msgs}, "chat", served)
     assert info.value.field == "messages"
     check_body({"messages": msgs}, "chat", Served(vocab_size=100))  # (no limit: not checked)
+
+
+def test_every_alias_of_what_is_served_becomes_default_model(tmp_path):
+    """mlx-lm keys loaded models by the literal string: a name of the served model other than
+    ``default_model`` would reload it (or unload it, when the name is not a path). Every alias
+    the server was started with (the ``--model`` value, the resolved path, the folder name,
+    with or without a trailing ``/``) becomes ``default_model``; so do the draft model's, and
+    the served adapters' are dropped (mlx-lm gives the default model its own adapters). Under
+    ``--allow-model-switch`` too."""
+    from qfilters_mlx.commands.server import _aliases
+
+    folder = tmp_path / "SmolLM2-135M-Instruct-f32"
+    folder.mkdir()
+    names = {"default_model"} | _aliases("my-model-id", folder)
+    assert {str(folder), folder.name, "my-model-id", str(folder.resolve())} <= names
+    draft, adapters = _aliases(str(tmp_path / "draft")), _aliases(str(tmp_path / "lora"))
+    for switch in (False, True):
+        served = Served(model_names=names, draft_names=draft, adapter_names=adapters,
+                        allow_switch=switch, vocab_size=VOCAB, has_draft=True, max_rewind=16)
+        for alias in (str(folder), str(folder) + "/", folder.name, "my-model-id", "default_model"):
+            body = check_body({**GOOD, "model": alias, "draft_model": "draft",
+                               "adapters": str(tmp_path / "lora")}, "chat", served)
+            assert body["model"] == body["draft_model"] == "default_model" and "adapters" not in body
+    other = check_body({**GOOD, "model": "/other"}, "chat",
+                       Served(model_names=names, allow_switch=True, vocab_size=VOCAB))
+    assert other["model"] == "/other"  # (another model: mlx-lm's loader, as asked)
+
+
+def test_the_served_names_include_the_registry_name_and_the_folder(tmp_path):
+    """Started with no ``--model`` the server serves the default model: its registry name
+    (``smollm2-135m``) is an alias as well as its folder; started with a registry name, that
+    name is. Another registry name is not an alias."""
+    import argparse
+
+    from qfilters_mlx.assets.models import DEFAULT_MODEL, model_names
+    from qfilters_mlx.commands.server import _served
+
+    folder = tmp_path / "SmolLM2-135M-Instruct-f32"
+    folder.mkdir()
+    for given, expected in ((None, DEFAULT_MODEL), ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b")):
+        args = argparse.Namespace(model=given, draft_model=None, adapter_path=None,
+                                  allowed_hosts="", allow_model_switch=False,
+                                  max_tokens_limit=None, num_draft_tokens=3,
+                                  allow_chat_template=False, max_prompt_tokens=None)
+        served = _served(args, folder, quantized=True)
+        assert {expected, folder.name, str(folder), "default_model"} <= served.model_names
+        others = set(model_names()) - {expected}
+        assert not others & served.model_names
+
+
+@pytest.mark.parametrize("where", ["role", "name", "tools", "chat_template_kwargs", "tool_calls",
+                                   "content-part", "role_mapping"])
+def test_the_character_limit_counts_every_string_the_template_renders(where):
+    """A 3 MB ``role`` was rendered and tokenized (1.87M tokens) before the token limit saw
+    it: every string of messages, tools, template arguments and role mapping counts (keys
+    too), checked before rendering; the same body a character shorter passes."""
+    from qfilters_mlx.commands.server_requests import MAX_CHARS_PER_TOKEN, rendered_chars
+
+    served = Served(vocab_size=VOCAB, max_prompt_tokens=10)
+    limit = 10 * MAX_CHARS_PER_TOKEN
+
+    def body(n):
+        big = "r" * n
+        msg = {"role": "user", "content": "Hi"}
+        out = {"messages": [msg]}
+        if where == "role":
+            msg["role"] = big
+        elif where == "name":
+            msg["name"] = big
+        elif where == "tools":
+            out["tools"] = [{"type": "function", "function": {"name": "f", "description": big}}]
+        elif where == "chat_template_kwargs":
+            out["chat_template_kwargs"] = {"enable_thinking": big}
+        elif where == "tool_calls":
+            out["messages"] = [{"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "f", "arguments": {"x": big}}}]}, msg]
+        elif where == "content-part":
+            msg["content"] = [{"type": "text", "text": big}]
+        else:
+            out["role_mapping"] = {"user": big}
+        return out
+
+    base = rendered_chars(body(0), "chat")
+    check_body(body(limit - base), "chat", served)
+    assert _refused(body(limit - base + 1), served=served).field == "messages"
+
+
+def test_max_tokens_over_the_operators_limit_is_refused_naming_it():
+    served = Served(vocab_size=VOCAB, max_tokens_limit=100)
+    check_body({**GOOD, "max_tokens": 100}, "chat", served)
+    for name in ("max_tokens", "max_completion_tokens"):
+        err = _refused({**GOOD, name: 101}, served=served)
+        assert err.field == name and "at most 100" in str(err) and "--max-tokens-limit" in str(err)
+
+
+@pytest.mark.parametrize("prompt,asked,limit,got", [
+    (100, 50, None, 50), (100, None, None, 8), (8190, None, None, 2), (100, 8092, None, 8092),
+    (100, 8093, None, "at most 8092"), (100, 60, 50, "at most 50"), (8192, 1, None, "no room"),
+])
+def test_max_tokens_is_capped_at_the_context_minus_the_prompt(prompt, asked, limit, got):
+    """On the generation side, once the prompt is tokenized (context 8,192; the server's
+    default max_tokens 8): a request asking more than ``context - prompt`` (or the operator's
+    limit) is refused naming the cap; one asking nothing gets the default within the cap."""
+    from qfilters_mlx.commands.server_loop import cap_max_tokens
+
+    args = SimpleNamespace(max_tokens=asked)
+    served = Served(vocab_size=VOCAB, context=8192, max_tokens_limit=limit)
+    if isinstance(got, int):
+        cap_max_tokens(args, prompt, served, 8, "messages")
+        assert args.max_tokens == got
+    else:
+        with pytest.raises(RequestError, match=got):
+            cap_max_tokens(args, prompt, served, 8, "messages")
+
+
+@pytest.mark.parametrize("max_rewind,ndt,refused", [(None, 64, False), (0, 0, False), (0, 3, True)])
+def test_a_draft_model_request_never_crashes_on_caches_without_a_rewind_depth(max_rewind, ndt, refused):
+    """``--method full`` (caches that never evict: no depth, no limit) and ``--kv-bits``
+    (quantized eviction caches: no journal, depth 0) with a requested ``draft_model``: the
+    depth check compared an int with ``None`` (TypeError in the handler)."""
+    served = Served(vocab_size=VOCAB, allow_switch=True, max_rewind=max_rewind)
+    body = {**GOOD, "draft_model": "/some/draft", "num_draft_tokens": ndt}
+    if refused:
+        err = _refused(body, served=served)
+        assert err.field == "num_draft_tokens" and "quantized" in str(err)
+    else:
+        check_body(body, "chat", served)

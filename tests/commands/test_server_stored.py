@@ -13,12 +13,17 @@ The rules written out here:
 * reuse: a regenerated answer and a follow-up turn reuse what mlx-lm's full caches reuse
   (``len(prompt) - 1`` and the whole stored answer), with the cache a fresh one fed the same
   calls would have;
+* warm equals cold: a prompt that leaves a stored entry inside its last recorded call is
+  served from the nearest point the cold run also passes (a call boundary of both), so its
+  greedy tokens and cache are the cold run's; a second follow-up of the same turn continues
+  from the turn (the chat loop's cache: the turn, then the follow-up's tokens);
 * bounds: answers and checkpoints by count, all entries by bytes, at every insert, oldest first.
 """
 
 import copy
 import gc
 import random
+import sys
 
 import mlx.core as mx
 import mlx_lm.models.cache as cache_module
@@ -29,8 +34,8 @@ from hypothesis import strategies as st
 from helpers.batch_helpers import config, tiny_llama
 from qfilters_mlx.cache.builder import KVCacheBuilder
 from qfilters_mlx.cache.journal import record_rows
-from qfilters_mlx.commands.server_cache import (PREFILL, drops_prefix, prefill_segments,
-                                                 prompt_cache_class, stored_rows)
+from qfilters_mlx.commands.server_cache import drops_prefix, prompt_cache_class, stored_rows
+from qfilters_mlx.commands.server_calls import PREFILL, prefill_segments
 
 BUDGET, REWIND = 16, 8
 
@@ -178,15 +183,21 @@ def _store(max_size=10, max_bytes=None):
     return prompt_cache_class(cache_module)(max_size, max_bytes)
 
 
-def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0):
+def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0, fresh=None, turn=None):
     """What the server's batch loop does for one chat request: reuse the nearest stored
     entry, feed the rest (segments: system prompt, prompt but its last token, in one call
-    each), store the checkpoints, decode ``answer_tokens`` tokens and store the answer.
-    Returns (tokens reused, the answer's tokens)."""
+    each; that one cut where the last user turn's text starts, ``turn``), store the
+    checkpoints, decode ``answer_tokens`` tokens and store the answer (``fresh``: builds the
+    caches of a request with nothing reused; default: ours). Returns (tokens reused, the
+    answer's tokens)."""
+    turn = turn or sys_end
+    if hasattr(store, "expect_calls"):
+        store.expect_calls(prompt, [sys_end, turn, len(prompt) - 1])
     cache, rest = store.fetch_nearest_cache("m", prompt)
     reused = len(prompt) - len(rest)
-    caches = cache if cache is not None else _build(model, cfg)
-    segments = [(prompt[:sys_end], "system"), (prompt[sys_end:-1], "user")]
+    caches = cache if cache is not None else (fresh or (lambda: _build(model, cfg)))()
+    segments = [(prompt[:sys_end], "system"), (prompt[sys_end:turn], PREFILL),
+                (prompt[turn:-1], "user")]
     done = 0
     for seg, kind in segments:
         lo, hi = done, done + len(seg)
@@ -194,7 +205,8 @@ def _serve(store, model, cfg, prompt, answer_tokens, sys_end=0):
         if hi <= reused or not seg:
             continue
         model(mx.array([prompt[max(lo, reused):hi]]), cache=caches)
-        store.insert_cache("m", prompt[:hi], copy.deepcopy(caches), cache_type=kind)
+        if kind != PREFILL:  # (never stored: ours ignores them, mlx-lm's has no such type)
+            store.insert_cache("m", prompt[:hi], copy.deepcopy(caches), cache_type=kind)
     y, out = prompt[-1], []
     for _ in range(answer_tokens):
         logits = model(mx.array([[y]]), cache=caches)[0, -1]
@@ -225,7 +237,11 @@ def test_a_conversation_holds_a_checkpoint_and_its_answer_at_most(answer):
             assert stored_rows(store._trie.get(m, t).prompt_cache) <= BUDGET + 1 + REWIND
     per_entry = max(sum(c.nbytes for c in store._trie.get(m, t).prompt_cache)
                     for lru in store._lru._lrus.values() for m, t in lru)
-    assert st_["bytes"] <= 3 * (2 if answer + 1 > REWIND else 1) * per_entry + per_entry
+    assert st_["bytes"] - st_["index_bytes"] <= 3 * (2 if answer + 1 > REWIND else 1) * per_entry + per_entry
+    keys = [t for lru in store._lru._lrus.values() for _, t in lru]
+    nodes = len({tuple(t[:i]) for t in keys for i in range(1, len(t) + 1)})  # (the trie's nodes)
+    index = nodes * sys.getsizeof({0: {}}) + sum(sys.getsizeof(t) + 28 * len(t) for t in keys)
+    assert st_["index_bytes"] == index and st_["bytes"] == store._n_bytes + nodes * sys.getsizeof({0: {}})
     # a follow-up turn of the first conversation: its older entries go
     first = system + _tokens(40, 10)
     _, out = _serve(store, model, cfg, first, answer, sys_end=6)
@@ -238,8 +254,9 @@ def test_a_conversation_holds_a_checkpoint_and_its_answer_at_most(answer):
 @pytest.mark.parametrize("answer", [4, 12])
 def test_regenerated_answers_follow_ups_and_shared_system_prompts_reuse_like_a_full_cache(answer):
     """The reuse mlx-lm's full caches get (``min(len(prompt) - 1, shared)``) for a regenerated
-    answer, a follow-up turn and a new conversation under the same system prompt (which shares
-    ``sys_end`` tokens), with the cache of a fresh run fed the same calls."""
+    answer, a follow-up turn and a new conversation under a system prompt (``sys_end`` tokens)
+    that a second conversation computed before it (a system prompt's checkpoint is stored
+    once a second request repeats it), with the cache of a fresh run fed the same calls."""
     model = tiny_llama()
     cfg = config()
     store = _store()
@@ -253,9 +270,12 @@ def test_regenerated_answers_follow_ups_and_shared_system_prompts_reuse_like_a_f
     follow = prompt + out + _tokens(20, 2)
     cache, rest = store.fetch_nearest_cache("m", follow)
     assert len(follow) - len(rest) == len(prompt) + len(out)
+    # the system prompt's checkpoint is stored once a second request computes it
     other = system + _tokens(30, 3)
-    cache, rest = store.fetch_nearest_cache("m", other)
-    assert len(other) - len(rest) == 6
+    assert _serve(store, model, cfg, other, answer, sys_end=6)[0] == 0
+    third = system + _tokens(30, 4)
+    cache, rest = store.fetch_nearest_cache("m", third)
+    assert len(third) - len(rest) == 6
     _same(cache, _run(model, cfg, [system]))
 
 
@@ -326,3 +346,197 @@ def test_the_trie_search_is_linear_in_a_long_stored_entry():
 
     small, large = cost(4_000), cost(40_000)
     assert large < 40 * small, (small, large)
+
+
+def _entry(store, tokens):
+    return store._trie.get("m", tokens).prompt_cache
+
+
+def _differs(a, b) -> bool:
+    """Kept positions, K/V or scores of some layer differ beyond float32 rounding."""
+    for x, y in zip(a, b):
+        if x.offset != y.offset or not mx.array_equal(x.kept_positions(), y.kept_positions()).item():
+            return True
+        if any(not mx.allclose(u, v, rtol=1e-5, atol=1e-4).item() for u, v in zip(x.state[:3], y.state[:3])):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("edit_at,answer", [(2, 4), (3, 5), (5, 2)])
+def test_an_edited_prompt_gets_the_cold_runs_greedy_tokens_and_cache(edit_at, answer):
+    """A prompt longer than the budget, answered; then the same prompt with its last
+    ``edit_at`` tokens edited: it diverges within the stored answer's rewind reach, inside the
+    recorded call that prefilled the prompt. Served warm it gets the cold run's greedy tokens
+    and cache (from the system checkpoint: the nearest point both runs pass). The control:
+    the rewind that ends inside the recorded call (what the store did before) re-applies the
+    call's head as one evicting call and gives another cache than the cold run's."""
+    model = tiny_llama()
+    cfg = config()
+    system = _tokens(6, 0)
+    prompt = system + _tokens(40, 1)
+    edited = prompt[:-edit_at] + [prompt[-edit_at] % 89 + 1] + _tokens(edit_at - 1, 77)
+    split = len(prompt) - edit_at
+    deep = dict(sys_end=6, fresh=lambda: _build(model, cfg, rewind=64))  # (the call is journaled)
+    warm = _store()
+    _, out = _serve(warm, model, cfg, prompt, answer, **deep)
+    stored = copy.deepcopy(_entry(warm, prompt + out))
+    need = len(prompt) + len(out) - split
+    assert 0 < need <= min(c.rewindable_tokens for c in stored)  # (the store could rewind there)
+    reused, out_warm = _serve(warm, model, cfg, edited, 8, **deep)
+    cold = _store()
+    _, out_cold = _serve(cold, model, cfg, edited, 8, **deep)
+    assert reused == 6, reused
+    assert out_warm == out_cold
+    _same(_entry(warm, edited + out_warm), _entry(cold, edited + out_cold))
+    assert all(c.trim(need) == need for c in stored)  # the control
+    model(mx.array([edited[split:-1]]), cache=stored)
+    assert _differs(stored, _run(model, cfg, [edited[:6], edited[6:-1]], rewind=64))
+
+
+def test_a_second_follow_up_of_the_same_turn_reuses_what_mlx_lm_reuses():
+    """Two follow-ups of one turn sent one after the other: each is the turn, two tokens of the
+    template's header of the next user turn, then its own text (the first tokens differ; the
+    first follow-up's own tokens are within the rewind depth). mlx-lm (its ``LRUPromptCache``
+    with full caches, run here) reuses for the second its longest common prefix with a stored
+    entry: the turn and the header. Ours reuses the same: the first follow-up's stored entry
+    rewound to the call boundary where its text starts (a boundary of the second's cold run
+    too), and the cache is the chat loop's with one cache over the turns (the turn, then the
+    second follow-up's header and text)."""
+    model = tiny_llama()
+    cfg = config()
+    system = _tokens(6, 0)
+    prompt = system + _tokens(40, 1)
+    follow = (_tokens(6, 5), _tokens(6, 6))
+    assert follow[0][0] != follow[1][0]
+    reused, answers, stores = {}, {}, {}
+    for name, store, fresh in (("ours", _store(), lambda: _build(model, cfg, rewind=64)),
+                               ("mlx_lm", cache_module.LRUPromptCache(10),
+                                lambda: cache_module.make_prompt_cache(model))):
+        _, out = _serve(store, model, cfg, prompt, 4, sys_end=6, fresh=fresh)
+        turn = prompt + out
+        first, _ = _serve(store, model, cfg, turn + [50, 51] + follow[0], 4, sys_end=6, fresh=fresh,
+                          turn=len(turn) + 2)
+        assert first == len(turn)
+        reused[name], answers[name] = _serve(store, model, cfg, turn + [50, 51] + follow[1], 4,
+                                             sys_end=6, fresh=fresh, turn=len(turn) + 2)
+        stores[name] = (store, out)
+    store, out = stores["ours"]
+    turn = prompt + out
+    assert reused["mlx_lm"] == len(prompt + stores["mlx_lm"][1]) + 2
+    assert reused["ours"] == reused["mlx_lm"] == len(turn) + 2
+    last = turn + [50, 51] + follow[1]
+    chat = _run(model, cfg, [prompt[:6], prompt[6:-1]], decode=[prompt[-1], *out], rewind=64)
+    model(mx.array([last[len(turn):len(turn) + 2]]), cache=chat)
+    model(mx.array([last[len(turn) + 2:-1]]), cache=chat)
+    for t in [last[-1], *answers["ours"]]:
+        model(mx.array([[t]]), cache=chat)
+    _same(_entry(store, last + answers["ours"]), chat)
+
+
+def test_a_continued_conversation_is_the_chat_loop_with_one_cache_over_the_turns():
+    """Three turns, each a follow-up of the stored answer before it (the template's two header
+    tokens of a user turn, then its text): every answer and stored cache is the chat loop's
+    (``docs/getting-started.md``: one cache; each turn feeds its new tokens but the last, here
+    the header and the text in a call each, then decodes), and each turn reuses the whole turn
+    before it."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    chat = _build(model, cfg)
+    tokens, fed = _tokens(30, 1), 0
+    for turn in range(3):
+        start = fed + 2 if fed else 0
+        reused, out = _serve(store, model, cfg, tokens, 5, sys_end=0, turn=start)
+        assert reused == fed
+        for a, b in ((fed, start), (start, len(tokens) - 1)):
+            if b > a:
+                model(mx.array([tokens[a:b]]), cache=chat)
+        y, loop = tokens[-1], []
+        for _ in range(5):
+            y = int(mx.argmax(model(mx.array([[y]]), cache=chat)[0, -1]).item())
+            loop.append(y)
+        model(mx.array([[y]]), cache=chat)
+        assert out == loop
+        _same(_entry(store, tokens + out), chat)
+        tokens, fed = tokens + out + [50, 51] + _tokens(12, 10 + turn), len(tokens) + len(out)
+
+
+@pytest.mark.parametrize("answer,checkpoint_stays", [(12, False), (30, True)])
+def test_an_answer_keeps_its_decode_steps_instead_of_its_checkpoint_when_they_are_fewer_rows(
+        answer, checkpoint_stays):
+    """Caches journaling ``budget + 1`` tokens while they generate (the server's default), a
+    stored checkpoint keeping REWIND rows: an answer whose decode steps (one row each) back to
+    its prompt are fewer rows than the prompt checkpoint keeps them and the checkpoint goes;
+    the regenerated answer is then served by rewinding the steps, to the cache of a fresh run
+    fed the same calls. A longer answer (its steps are no longer journaled) leaves the
+    checkpoint stored. The first system prompt is not stored (no second request repeated it)."""
+    model = tiny_llama()
+    cfg = config()
+    store = prompt_cache_class(cache_module, REWIND)()
+    deep = lambda: _build(model, cfg, rewind=BUDGET + 1)  # noqa: E731
+    prompt = _tokens(6, 0) + _tokens(40, 1)
+    _, out = _serve(store, model, cfg, prompt, answer, sys_end=6, fresh=deep)
+    st_ = store.stored_stats()
+    assert (st_["conversations"], st_["checkpoints"]) == (1, 1 if checkpoint_stays else 0)
+    entry = _entry(store, prompt + out)
+    journal = max(sum(record_rows(r) for r in c._journal.records) for c in entry)
+    # (answer + 1 steps: one row each but the step that entered slot mode, which keeps the
+    # score and position buffers before it; an answer replacing its checkpoint also keeps what
+    # the checkpoint's journal would: here none, the prompt's call dropped more rows than REWIND)
+    assert journal == (REWIND if checkpoint_stays else answer)
+    cache, rest = store.fetch_nearest_cache("m", prompt)  # the same prompt again
+    assert len(rest) == 1
+    _same(cache, _run(model, cfg, [prompt[:6], prompt[6:-1]], rewind=BUDGET + 1))
+
+
+def test_a_system_prompt_is_stored_once_a_second_request_repeats_it_whatever_follows_it():
+    """mlx-lm ends a system prompt's segment where the rendering with an empty user message
+    departs from the prompt, so two conversations under one system prompt may end it a token
+    apart (the first user token merging with the template's newline): the second still counts
+    as a repeat and is stored; an unrelated system prompt is not."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    system = _tokens(12, 0)
+
+    def insert(tokens):
+        caches = _build(model, cfg)
+        model(mx.array([tokens]), cache=caches)
+        store.insert_cache("m", tokens, caches, cache_type="system")
+        return store.stored_stats()["checkpoints"]
+
+    assert insert(system + [7]) == 0  # the first: remembered, not stored
+    assert insert(_tokens(13, 5)) == 0  # another system prompt, first time
+    assert insert(system + [8, 9]) == 1  # the same system prompt, ended a token later
+
+
+def test_a_finished_request_returns_mlxs_pool_of_freed_buffers():
+    """The resident memory a conversation leaves is what is stored: once a finished request's
+    answer is stored, MLX's cache of freed buffers (its temporaries) is empty."""
+    model = _wide_llama()
+    store = _store()
+    caches = _run(model, config(**WIDE), [_tokens(300, 3)], decode=_tokens(3, 4))
+    assert mx.get_cache_memory() > 0  # (the prefill's temporaries, pooled)
+    store.finishing = True
+    store.insert_cache("m", _tokens(303, 5), caches)
+    assert mx.get_cache_memory() == 0
+
+
+def test_a_second_follow_up_reaches_the_turn_when_the_first_ones_answer_replaced_its_checkpoint():
+    """The first follow-up's answer (12 tokens: longer than the REWIND rows a checkpoint keeps,
+    shorter than the budget + 1 the caches journal while generating) replaces its checkpoint;
+    it keeps the checkpoint's journal too, so the second follow-up still reaches the turn and
+    its header, as mlx-lm's full caches do."""
+    model = tiny_llama()
+    cfg = config()
+    store = prompt_cache_class(cache_module, REWIND)()
+    deep = lambda: _build(model, cfg, rewind=BUDGET + 1)  # noqa: E731
+    prompt = _tokens(6, 0) + _tokens(40, 1)
+    _, out = _serve(store, model, cfg, prompt, 4, sys_end=6, fresh=deep)
+    turn = prompt + out
+    first, _ = _serve(store, model, cfg, turn + [50, 51] + _tokens(4, 5), 12, sys_end=6, fresh=deep,
+                      turn=len(turn) + 2)
+    assert first == len(turn) and store.stored_stats()["checkpoints"] == 0  # (replaced)
+    second, _ = _serve(store, model, cfg, turn + [50, 51] + _tokens(4, 6), 4, sys_end=6, fresh=deep,
+                       turn=len(turn) + 2)
+    assert second == len(turn) + 2

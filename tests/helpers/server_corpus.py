@@ -4,10 +4,13 @@ Used by the integration test (``tests/integration/test_server_corpus.py``, again
 ``qfilters-mlx server``) and by ``bench/bench_server_soak.py`` (the same corpus against
 ``mlx_lm.server`` recorded beside ours). Each :class:`Case` is one raw HTTP request with the
 status ``qfilters-mlx server`` must answer: 400 for a bad field (the error names it), 404 for
-an unknown path, 411/413 for a missing or huge ``Content-Length``. The kinds: every field of
+an unknown path, 411/413 for a missing or huge ``Content-Length``, 415 for a body that is not
+``application/json``, 403 for a ``Host`` that is not the server's. The kinds: every field of
 the chat and completions bodies with a wrong type and an out-of-range value, names of other
 models / draft models / adapters (the path exists or not: same answer), bodies that are not
-UTF-8, not JSON, not an object, nested 100k deep, or announced as 10**12 bytes.
+UTF-8, not JSON, not an object, nested 100k deep, announced as 10**12 bytes or sent over the
+limit, strings the chat template renders (roles, names, tools, template arguments) over the
+character limit, ``max_tokens`` over the context left by the prompt.
 """
 
 from __future__ import annotations
@@ -159,6 +162,29 @@ def cases() -> list[Case]:
         # (refused after tokenization, by the generation side: over the model's 8,192 tokens)
         Case("text.prompt.over-the-context", TEXT, json.dumps(
             {"prompt": "seven " * 9000, "max_tokens": 4}).encode(), 400, None),
+        Case("after-tokenization.max_tokens.over-context-minus-prompt", CHAT, json.dumps(
+            {"messages": GOOD_MESSAGES, "max_tokens": 8190}).encode(), 400, "max_tokens"),
+        # every string the template renders counts toward the character limit (64 per token
+        # of the 8,192-token context: 524,288)
+        Case("chat.messages.huge-role", CHAT, json.dumps(
+            {"messages": [{"role": "r" * 600_000, "content": "x"}], "max_tokens": 4}).encode(),
+            400, "messages"),
+        Case("chat.messages.huge-name", CHAT, json.dumps(
+            {"messages": [{"role": "user", "name": "n" * 600_000, "content": "x"}],
+             "max_tokens": 4}).encode(), 400, "messages"),
+        _chat("chat.tools.huge-description", 400, "messages", tools=[
+            {"type": "function", "function": {"name": "f", "description": "d" * 600_000}}]),
+        _chat("chat.chat_template_kwargs.huge-value", 400, "messages",
+              chat_template_kwargs={"enable_thinking": "t" * 600_000}),
+        # transport: what a web page can send to 127.0.0.1, and a body sent over the limit
+        Case("header.content-type-text-plain", CHAT, json.dumps(GOOD_CHAT).encode(), 415,
+             "Content-Type", headers={"Content-Type": "text/plain"}),
+        Case("header.content-type-form", CHAT, b"messages=x", 415, "Content-Type",
+             headers={"Content-Type": "application/x-www-form-urlencoded"}),
+        Case("header.host-rebound", CHAT, json.dumps(GOOD_CHAT).encode(), 403, "Host",
+             headers={"Host": "evil.example:8080"}),
+        Case("body.sent-over-the-limit", CHAT, json.dumps(
+            {"messages": [{"role": "user", "content": "x" * (9 << 20)}]}).encode(), 413, "body"),
     ]
     return out
 
@@ -169,9 +195,9 @@ def send(port: int, case: Case, timeout: float = 60.0) -> tuple[int | None, byte
     server closed the connection or timed out without an answer."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.putrequest(case.method, case.path, skip_accept_encoding=True)
-        conn.putheader("Content-Type", "application/json")
-        headers = dict(case.headers)
+        headers = {"Content-Type": "application/json", **case.headers}
+        conn.putrequest(case.method, case.path, skip_accept_encoding=True,
+                        skip_host="Host" in headers)
         if case.raw is not None and "Content-Length" not in headers:
             headers["Content-Length"] = str(len(case.raw))
         for k, v in headers.items():

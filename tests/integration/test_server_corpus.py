@@ -114,7 +114,9 @@ def test_stored_short_conversations_hold_their_rows_and_bytes_are_the_caches(ser
     layers, kv_heads, head_dim = 30, 3, 64
     row_bytes = kv_heads * (2 * head_dim * 4 + 4 + 8)
     filter_bytes = stored["sequences"] * layers * kv_heads * head_dim * 4
-    assert stored["bytes"] == stored["rows_per_layer"] * row_bytes * layers + filter_bytes, stored
+    caches = stored["bytes"] - stored["index_bytes"]  # (the token lists and trie nodes besides)
+    assert caches == stored["rows_per_layer"] * row_bytes * layers + filter_bytes, stored
+    assert stored["index_bytes"] > 0
     assert stored["process"]["active_bytes"] > stored["bytes"]
 
 
@@ -185,7 +187,20 @@ def test_reuse_after_eviction_is_the_anchors_for_chat_and_the_same_on_two_fresh_
     assert ids[1][: len(ids[0])] == ids[0] and len(ids[0]) <= follow <= len(ids[1]) - 1
     system = runs[0][0][0][:1]
     sys_end = _shared(_template_ids(tok, system + [{"role": "user", "content": ""}]), ids[0])
-    for k in (2, 3, 4):
-        c = max(_shared(ids[k], ids[j]) for j in range(k))
-        assert runs[0][k][2] == sys_end <= min(len(ids[k]) - 1, c), (k, runs[0][k][2], sys_end, c)
+    for k in (2, 3, 4):  # (the system prompt's checkpoint is stored once a second request
+        c = max(_shared(ids[k], ids[j]) for j in range(k))  # computes it: from k = 3 on)
+        want = 0 if k == 2 else sys_end
+        assert runs[0][k][2] == want and sys_end <= min(len(ids[k]) - 1, c), (k, runs[0][k][2], sys_end, c)
     assert len(ids[0]) - _shared(ids[4], ids[0]) > 2 * BUDGET  # (the deep case is deep)
+
+
+def test_every_alias_of_the_served_model_is_served_without_a_reload(server, model_path):
+    """mlx-lm keys loaded models by the literal string: the folder name (or the path with a
+    trailing ``/``) reloaded the model, or unloaded it when the name is not a path. Every alias
+    is served by the loaded model: the same answer, and the model loaded once."""
+    status, first = post_json(server.port, CHAT, GOOD_CHAT)
+    assert status == 200
+    for alias in (model_path.name, str(model_path), str(model_path) + "/", "default_model"):
+        status, reply = post_json(server.port, CHAT, {**GOOD_CHAT, "model": alias})
+        assert status == 200 and answer(reply) == answer(first), (alias, reply)
+    assert open(server.log_path).read().count("attention caches budgeted") == 1

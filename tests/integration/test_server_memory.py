@@ -49,12 +49,13 @@ def _spans(n, chars=2400):
 def _settled(port, conversations, timeout=60.0):
     """``/health``'s ``stored`` once ``conversations`` answers are stored (the generation loop
     stores a finished request's cache right after its reply) and the checkpoint of the answer's
-    prompt is dropped."""
+    prompt is dropped (the system prompt's is stored from the second conversation on, which
+    repeats it)."""
     deadline = time.time() + timeout
     while True:
         _, health = get_json(port, "/health")
         stored = health["stored"]
-        if stored["conversations"] == conversations and stored["checkpoints"] == 1:
+        if stored["conversations"] == conversations and stored["checkpoints"] == min(1, conversations - 1):
             return stored
         if time.time() > deadline:
             raise AssertionError(f"/health never showed {conversations} conversations: {stored}")
@@ -77,10 +78,13 @@ def test_stored_conversations_are_bounded_by_health_and_by_active_memory(model_p
         server.stop()
     last = seen[-1]
     assert last["conversations"] == 4 and last["checkpoints"] == 1  # (the shared system prompt)
-    assert last["bytes"] <= 4 * BOUND + BOUND, last
-    assert last["bytes_per_conversation"] <= BOUND * 1.25, last  # (the system prompt's share)
+    caches = last["bytes"] - last["index_bytes"]  # (the token lists and trie: Python's heap)
+    assert caches <= 4 * BOUND + BOUND, last
+    assert caches / 4 <= BOUND * 1.25, last  # (the system prompt's share)
+    assert 0 < last["index_bytes"] <= 300 * 4 * 1000, last  # (about 260 B per stored token)
     grew = [b["process"]["active_bytes"] - a["process"]["active_bytes"] for a, b in zip(seen, seen[1:])]
-    counted = [b["bytes"] - a["bytes"] for a, b in zip(seen, seen[1:])]
+    counted = [(b["bytes"] - b["index_bytes"]) - (a["bytes"] - a["index_bytes"])
+               for a, b in zip(seen, seen[1:])]
     for g, c in zip(grew, counted):
         assert c > 0 and abs(g - c) <= 0.1 * c, (grew, counted)
 
@@ -107,3 +111,43 @@ def test_the_greedy_answer_to_a_long_prompt_equals_qfilters_mlx_generate(model_p
     assert status == 200, reply
     assert reply["usage"]["prompt_tokens"] > 2048 + BUDGET
     assert library and answer(reply).strip() == library
+
+
+def test_a_prompt_edited_near_its_end_gets_the_same_greedy_answer_warm_and_cold(model_path, tmp_path):
+    """A chat prompt 40 tokens past the 2,048-token prefill step (its last prefill call is short
+    enough for the stored answer's journal to reach into it), answered; then the same prompt
+    with its last words edited. The warm server (the first conversation stored) answers the
+    edit as a fresh server does (it rewinds to the call boundary at 2,048 tokens, never into
+    the recorded call), and reuses those 2,048 tokens."""
+    from mlx_lm.utils import load_tokenizer
+
+    from qfilters_mlx.assets.prompts import source_text
+
+    tok = load_tokenizer(model_path)
+    system = {"role": "system", "content": "Answer in one sentence."}
+    ask = " What is this text about?"
+    over = len(tok.apply_chat_template([system, {"role": "user", "content": ask}],
+                                       add_generation_prompt=True))
+    ids = tok.encode(source_text(), add_special_tokens=False)[: 2048 + 40 - over]
+    text = tok.decode(ids)
+    edited = text[:-30] + " (the last words were edited)"
+    first = [system, {"role": "user", "content": text + ask}]
+    second = [system, {"role": "user", "content": edited + ask}]
+
+    def ask_(port, messages):
+        status, reply = post_json(port, CHAT, {"messages": messages, "max_tokens": 12,
+                                               "temperature": 0.0}, timeout=900)
+        assert status == 200, reply
+        return answer(reply), reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    answers = {}
+    for name in ("warm", "cold"):
+        server = _server(model_path, tmp_path / f"{name}.log")
+        try:
+            if name == "warm":
+                ask_(server.port, first)
+            answers[name] = ask_(server.port, second)
+        finally:
+            server.stop()
+    assert answers["warm"][0] == answers["cold"][0]
+    assert answers["warm"][1] == 2048 and answers["cold"][1] == 0

@@ -14,18 +14,22 @@ mlx-lm's ``main``:
   :class:`~qfilters_mlx.cache.batch.BatchQFiltersCache`, so the server keeps
   batching (``is_batchable``);
 * ``StoredConversations`` (mlx-lm's ``LRUPromptCache``, :mod:`.server_cache`):
-  reuses stored conversations without asking a cache for a rewind it cannot do, keeps
+  reuses stored conversations without asking a cache for a rewind it cannot do, and
+  rewinds only to call boundaries the prompt's cold run also has (warm equals cold), keeps
   each stored cache at its budget plus its rewind journal (per conversation at most a
-  prompt checkpoint and its answer), bounds what is stored by ``--prompt-cache-size``
-  and ``--prompt-cache-bytes`` whenever an entry is stored, and logs each finished
-  request's tokens, bytes, and the bytes all stored caches hold;
+  prompt checkpoint and its answer, usually the answer alone), bounds what is stored by
+  ``--prompt-cache-size`` and ``--prompt-cache-bytes`` whenever an entry is stored, and
+  logs each finished request's tokens, bytes, and the bytes all stored caches hold;
 * the request checks and the restarting generation loop of :mod:`.server_http`
   and :mod:`.server_requests`: every body is checked before generation (400 naming
   the field); requests naming another ``model``, ``draft_model`` or ``adapters``
-  are refused unless ``--allow-model-switch``; a client's own chat template unless
-  ``--allow-chat-template``; prompts over the model's context unless
-  ``--max-prompt-tokens`` raises it; CORS allows no origin unless
-  ``--allowed-origins`` names them.
+  are refused unless ``--allow-model-switch`` (every alias of what is served is
+  ``default_model``); a client's own chat template unless ``--allow-chat-template``;
+  prompts over the model's context unless ``--max-prompt-tokens`` raises it, and
+  ``max_tokens`` over the context left (or ``--max-tokens-limit``); POST bodies that are
+  not JSON (415), a ``Host`` that is not loopback or ``--allowed-hosts`` (403), bodies
+  slower than ``--body-timeout`` (408), connections beyond ``--max-connections`` (503);
+  CORS allows no origin unless ``--allowed-origins`` names them.
 
 Prompts are processed in calls of ``--prefill-step-size`` tokens (mlx-lm's flag, 2,048 by
 default) at the same positions as ``mlx_lm.generate`` and ``qfilters-mlx generate``, so
@@ -42,28 +46,35 @@ batches the caches itself, outside ``observe_queries``) and are refused.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser",
+from qfilters_mlx.commands.server_flags import DEFAULT_PROMPT_CACHE_SIZE, cache_parser
+
+__all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "answer_journal",
            "context_length", "run"]
 
 _CONFIG = None  # the KVCacheConfig the server installs (set by run)
 _BUILDER = None  # the KVCacheBuilder holding --backend and --max-rewind (set by run; None: defaults)
 
 DEFAULT_MAX_REWIND = 64
-"""Tokens the server's caches rewind exactly after an eviction, unless ``--max-rewind`` says
-otherwise, and a draft model may propose up to this many tokens. Each stored cache keeps at
-most this many rows of rewind journal besides its budget, so a stored conversation is reused by
+"""Tokens a stored checkpoint rewinds exactly after an eviction, unless ``--max-rewind`` says
+otherwise. Each stored checkpoint keeps at most this many rows of rewind journal besides its
+budget (a stored answer: this many, or the decode steps back to its prompt when they are
+fewer rows than its prompt checkpoint: :func:`answer_journal`), so a stored conversation is reused by
 a prompt that leaves it up to this many tokens before its end (a regenerated answer of up to
 this many tokens), fewer when its last calls evicted more rows than that (a multi-token call
 keeps the rows it dropped: a prompt's last prefill call usually cannot be rewound at rest). Cost (decode speed, bytes):
 bench/results/server_soak.md."""
 
-DEFAULT_PROMPT_CACHE_SIZE = 30
-"""Stored conversations kept (mlx-lm's default is 10 for full caches)."""
+def answer_journal(config) -> int:
+    """Tokens the server's caches journal while they generate when ``--max-rewind`` is not
+    given: ``budget + 1``, so a stored answer shorter than that can keep the decode steps back
+    to its prompt (one K/V row each) instead of its prompt checkpoint (``budget`` rows)."""
+    return int(getattr(config, "qfilters_budget", 0) or 0) + 1
+
+
 
 
 def add_parser(sub) -> None:
@@ -76,53 +87,11 @@ def add_parser(sub) -> None:
     sp.set_defaults(_run=run, _parser=sp, passes_through=True)  # cli.main sets server_args
 
 
-def cache_parser() -> argparse.ArgumentParser:
-    """The cache flags (and the mlx-lm flags this command reads) of ``qfilters-mlx server``."""
-    from qfilters_mlx.commands import options
-
-    p = argparse.ArgumentParser(prog="qfilters-mlx server", add_help=False,
-                                description="mlx_lm.server with eviction caches: the cache flags "
-                                            "below, then every mlx_lm.server flag")
-    options.add_cache_args(p.add_argument_group("KV-cache eviction"))
-    p.add_argument("--model", default=None, help=options.MODEL_HELP)
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--num-draft-tokens", type=int, default=3)
-    p.add_argument("--adapter-path", default=None)
-    p.add_argument("--seed", type=int, default=None, help="seed of --method random")
-    s = p.add_argument_group("serving")
-    s.add_argument("--allow-model-switch", action="store_true",
-                   help="let requests name another model, draft model or adapters (mlx-lm loads "
-                        "them by path; off by default: such requests get 400)")
-    s.add_argument("--allowed-origins", default="",
-                   help="comma-separated origins allowed by CORS (default: none; '*' for any)")
-    s.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
-                   help="largest request body (default 8 MiB; larger: 413)")
-    s.add_argument("--prompt-cache-size", type=int, default=None, metavar="N",
-                   help=f"stored conversations kept for reuse (mlx-lm's flag; default "
-                        f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus the "
-                        f"rewind journal, twice when its answer is longer than --max-rewind)")
-    s.add_argument("--allow-chat-template", action="store_true",
-                   help="let requests bring their own chat template (chat_template, or "
-                        "chat_template_kwargs.chat_template); off by default: such requests get 400")
-    s.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
-                   help="longest prompt in tokens (default: the model's context, "
-                        "max_position_embeddings; longer: 400)")
-    return p
-
-
 def _builder():
     """The :class:`~qfilters_mlx.cache.builder.KVCacheBuilder` of the server's build flags."""
     from qfilters_mlx.cache.builder import KVCacheBuilder
 
     return _BUILDER if _BUILDER is not None else KVCacheBuilder()
-
-
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def context_length(model) -> int | None:
@@ -139,43 +108,71 @@ def context_length(model) -> int | None:
     return None
 
 
-def _served(cache_args, model_path):
+def _aliases(value, path=None) -> set:
+    """Names of a model, draft model or adapters folder given as ``value`` (and resolved to
+    ``path``): the value as given, the path, the resolved path, the folder name, each also
+    without a trailing ``/``."""
+    names = set()
+    for v in (value, path):
+        if v is None:
+            continue
+        p = Path(v)
+        names |= {str(v), str(v).rstrip("/") or str(v), str(p), str(p.resolve()), p.name}
+    return {n for n in names if n and n != "."}
+
+
+def _max_rewind(quantized: bool):
+    """Tokens the served caches rewind after an eviction (a draft's ``num_draft_tokens`` bound):
+    ``None`` when they never evict, 0 when quantized (no journal), else the built depth."""
+    from qfilters_mlx.scorers import scorer_class
+
+    if not scorer_class(_CONFIG.method).evicts:
+        return None
+    if quantized:
+        return 0
+    depth = _builder().options_for(_CONFIG).max_rewind
+    return depth if isinstance(depth, int) else 0
+
+
+def _served(cache_args, model_path, quantized: bool = False):
     """The names a request may use for what this server was started with (:class:`Served`)."""
     from qfilters_mlx.commands.server_requests import Served
 
-    names = {"default_model", str(model_path), str(Path(model_path).resolve()), Path(model_path).name}
-    if cache_args.model is not None:
-        names.add(cache_args.model)
-    draft = set()
-    if cache_args.draft_model is not None:
-        draft = {cache_args.draft_model, str(Path(cache_args.draft_model).resolve())}
-    adapters = set()
-    if cache_args.adapter_path is not None:
-        adapters = {cache_args.adapter_path, str(Path(cache_args.adapter_path).resolve())}
+    from qfilters_mlx.assets.models import DEFAULT_MODEL
+
+    # started with no --model, the default's registry name is the value it was given
+    given = cache_args.model if cache_args.model is not None else DEFAULT_MODEL
+    names = {"default_model"} | _aliases(given, model_path)
+    draft = _aliases(cache_args.draft_model) if cache_args.draft_model is not None else set()
+    adapters = _aliases(cache_args.adapter_path) if cache_args.adapter_path is not None else set()
+    hosts = {h.strip().lower() for h in cache_args.allowed_hosts.split(",") if h.strip()}
     return Served(model_names=names, draft_names=draft, adapter_names=adapters,
                   allow_switch=cache_args.allow_model_switch,
-                  max_rewind=_builder().options_for(_CONFIG).max_rewind,
+                  max_rewind=_max_rewind(quantized),
+                  max_tokens_limit=cache_args.max_tokens_limit, allowed_hosts=hosts,
                   has_draft=cache_args.draft_model is not None,
                   default_draft_tokens=cache_args.num_draft_tokens,
                   allow_chat_template=cache_args.allow_chat_template,
                   max_prompt_tokens=cache_args.max_prompt_tokens)
 
 
-def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None):
+def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_at_rest=None,
+             http_limits=None):
     """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
     import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 
     from qfilters_mlx.commands.server_cache import prompt_cache_class
-    from qfilters_mlx.commands.server_http import generator_class, handler_class
+    from qfilters_mlx.commands.server_http import handler_class
+    from qfilters_mlx.commands.server_loop import generator_class
     from qfilters_mlx.commands.server_requests import MAX_BODY_BYTES
 
     class QFiltersModelProvider(server.ModelProvider):
         """mlx-lm's ``ModelProvider`` that installs eviction caches on every loaded model and
         never says why another model failed to load (the error would reveal which paths exist).
         The served model loads in the generation thread (MLX streams are per thread) before the
-        server answers (:func:`~.server_http.generator_class`)."""
+        server answers (:func:`~.server_loop.generator_class`)."""
 
         def __init__(self, cli_args):
             super().__init__(cli_args)
@@ -216,9 +213,10 @@ def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None):
                 self.served.takes_images = self.processor is not None
                 self.served.max_prompt_tokens = (max_prompt_tokens if max_prompt_tokens is not None
                                                  else context_length(self.model))
+                self.served.context = context_length(self.model)
 
-    prompt_cache = prompt_cache_class(cache_module)
-    handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES)
+    prompt_cache = prompt_cache_class(cache_module, journal_at_rest)
+    handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES, **(http_limits or {}))
     return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
 
 
@@ -270,10 +268,13 @@ def run(parser, args, blas_library: str | None = None) -> int:
     if quantized and cache_args.draft_model is not None and scorer_class(cache_args.method).evicts:
         ours.error("--kv-bits with --draft-model: a quantized eviction cache cannot rewind the "
                    "rejected draft tokens; drop one of them")
+    at_rest = None  # journal rows a stored checkpoint keeps (None: each cache's max_rewind)
     if cache_args.max_rewind is None and scorer_class(cache_args.method).evicts and not quantized:
-        cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
-                                    if cache_args.draft_model is not None else 0)
+        at_rest = cache_args.max_rewind = max(DEFAULT_MAX_REWIND, cache_args.num_draft_tokens
+                                              if cache_args.draft_model is not None else 0)
     _CONFIG, described = _config(ours, cache_args)
+    if at_rest is not None:  # decode steps journaled back to the prompt while cheaper than
+        cache_args.max_rewind = max(at_rest, answer_journal(_CONFIG))  # its checkpoint
     _BUILDER = builder_from_args(ours, cache_args)
     if cache_args.draft_model is not None:
         rest += ["--draft-model", cache_args.draft_model,
@@ -287,13 +288,16 @@ def run(parser, args, blas_library: str | None = None) -> int:
     if not helping:
         model_path = resolve_model(ours, cache_args.model)
         rest += ["--model", str(model_path)]
-        served = _served(cache_args, model_path)
+        served = _served(cache_args, model_path, quantized)
     else:
         rest.append("--help")
+    limits = {k: v for k, v in (("max_connections", cache_args.max_connections),
+                                ("body_timeout", cache_args.body_timeout)) if v is not None}
     server, provider, prompt_cache, generator, handler = _classes(
-        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens)
+        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens, at_rest, limits)
     options = _builder().options_for(_CONFIG)
-    print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind} "
+    rest_note = f" (stored checkpoints keep {at_rest})" if at_rest is not None else ""
+    print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind}{rest_note} "
           f"backend={options.backend}"
           f"{' (BLAS: ' + blas_library + ')' if blas_library else ''}", file=sys.stderr, flush=True)
     http = server._run_http_server

@@ -25,14 +25,22 @@ to the shared prefix). Here, for eviction caches:
 * **bounds**, checked whenever an entry is stored, oldest dropped first (mlx-lm's order):
   ``max_size`` answers (``--prompt-cache-size``), ``max_size`` checkpoints, and
   ``max_bytes`` bytes (``--prompt-cache-bytes``) over all entries.
-* **reuse**: ``longer`` (a trim of a stored entry) only when every cache of the entry can
-  rewind the tokens it must (:func:`rewind_reach`), checked to have removed exactly that
-  many; otherwise the longest stored prefix, as mlx-lm does for untrimmable caches. No trim
-  a cache cannot do is ever attempted. The last prompt token is always left to compute.
-* **prefill**: :func:`prefill_segments` cuts a prompt's segments at every multiple of the
+* **reuse**: the longest stored prefix of the prompt continues as is (a follow-up turn: the
+  conversation goes on as the library's chat loop with one cache over the turns would).
+  ``longer`` (a stored entry rewound back into the prompt) only to a token count the entry
+  reaches without splitting a recorded call and that the prompt's cold run also passes
+  (:func:`~.server_calls.rewind_target`: a multiple of the prefill step, a call boundary of the prompt
+  announced by :meth:`expect_calls`, the prompt's last token, or the end of an entry stored
+  here, where a request stopped and the next one continued), so the
+  answer is the cold run's; checked to have removed exactly that many. Otherwise the longest
+  stored prefix, as mlx-lm does for untrimmable caches. No trim a cache cannot do is ever
+  attempted. The last prompt token is always left to compute.
+* **prefill**: :func:`~.server_calls.prefill_segments` cuts a prompt's segments at every multiple of the
   prefill step (``--prefill-step-size``), so that the prompt is processed in the calls
   ``mlx_lm.generate`` (and ``qfilters-mlx generate``) makes: ``[0, step)``, ``[step, 2
-  step)``, ... Those cuts are typed :data:`PREFILL` and never stored.
+  step)``, ..., and where the last user message starts (after the template's header of
+  that turn, so that two follow-ups of one turn share a call boundary). Those cuts are
+  typed ``PREFILL`` and never stored (:mod:`.server_calls`).
 
 The log line of a finished request (:func:`request_summary`) compares kept K/V bytes with a
 full cache's K/V bytes for the same tokens, and gives the bytes every stored entry holds.
@@ -43,43 +51,26 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections import OrderedDict
 
-__all__ = ["CHECKPOINT_TYPES", "PREFILL", "drops_prefix", "journal_rows", "prefill_segments",
-           "process_memory", "prompt_cache_class", "request_summary", "rewind_reach", "stored_rows"]
+from qfilters_mlx.commands.server_calls import PREFILL, rewind_reach, rewind_target, rows_back_to
+from qfilters_mlx.commands.server_trie import key_nbytes
+
+__all__ = ["CHECKPOINT_TYPES", "drops_prefix", "journal_rows", "process_memory",
+           "prompt_cache_class", "request_summary", "stored_rows"]
 
 CHECKPOINT_TYPES = ("user", "system")
 """mlx-lm's cache types of prompt checkpoints."""
 
-PREFILL = "prefill"
-"""Cache type of a cut made only to align prefill calls: never stored."""
+SYSTEM_END_SLACK = 3
+"""Tokens at the end of a system prompt's checkpoint that depend on the text after it (mlx-lm
+ends the segment where the rendering with an empty user message departs from the prompt: the
+first user token can merge with the template's newline), left out when a second request is
+asked whether it repeats a system prompt."""
 
-
-def prefill_segments(segments, types, step: int):
-    """mlx-lm's prompt ``segments`` (lists of token ids, in prompt order) and their cache
-    ``types``, cut at every multiple of ``step`` tokens of the whole prompt (absolute
-    positions: the same cuts whatever part of the prompt a stored cache supplies).
-
-    Each piece but the last of a segment is typed :data:`PREFILL`; the last keeps the
-    segment's type. ``step <= 0``: unchanged.
-
-    Returns:
-        ``(pieces, types)``: lists of equal length; the pieces joined are the segments joined.
-    """
-    if step <= 0:
-        return list(segments), list(types)
-    pieces, kinds, start = [], [], 0
-    for segment, kind in zip(segments, types):
-        end = start + len(segment)
-        bounds = [start, *range((start // step + 1) * step, end, step), end]
-        for a, b in zip(bounds, bounds[1:]):
-            pieces.append(segment[a - start:b - start])
-            kinds.append(PREFILL)
-        kinds[-1] = kind
-        start = end
-    if len(pieces) > 1 and len(pieces[-1]) == 1 and kinds[-2] == PREFILL:
-        kinds[-2] = kinds[-1]  # (mlx-lm computes a one-token last piece as the prompt's end:
-        # the checkpoint of the segment is then where that piece starts)
-    return pieces, kinds
+TURN_ENDS_KEPT = 4096
+"""Stored entries remembered as turn ends (token count and hash of their tokens: where a
+request stopped and a later one may have continued), newest kept."""
 
 
 def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: int,
@@ -99,19 +90,6 @@ def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: i
     if new_length - new_reach <= old_length:
         return True
     return not own_prompt
-
-
-def rewind_reach(caches) -> float:
-    """Tokens every cache of ``caches`` can remove with ``trim`` now: an eviction cache's
-    ``rewindable_tokens``; ``inf`` for a trimmable mlx-lm cache (it trims any count it holds),
-    0 for an untrimmable one."""
-    reach = math.inf
-    for c in caches:
-        if hasattr(c, "rewindable_tokens"):
-            reach = min(reach, c.rewindable_tokens)
-        elif not c.is_trimmable():
-            return 0
-    return reach
 
 
 def journal_rows(cache) -> int:
@@ -170,9 +148,10 @@ def request_summary(caches, prompt_tokens: int) -> str:
             f"(buffers, scores, filter, rewind journal)")
 
 
-def prompt_cache_class(cache_module):
+def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
     """``LRUPromptCache`` of ``cache_module`` (``mlx_lm.models.cache``) as described above:
-    ``StoredConversations(max_size, max_bytes=None)``."""
+    ``StoredConversations(max_size, max_bytes=None)``. ``journal_at_rest``: rows of rewind
+    journal a stored checkpoint keeps (``None``: each cache's ``max_rewind``)."""
     from qfilters_mlx.commands.server_trie import linear_trie_class
 
     LinearTrie = linear_trie_class(cache_module)
@@ -187,27 +166,81 @@ def prompt_cache_class(cache_module):
 
         Attributes:
             finishing: set by the generation loop just before it stores a finished
-                request's cache (that insert is logged with :func:`request_summary`).
+                request's cache (that insert is logged with :func:`request_summary`, and
+                MLX's pool of freed buffers is then returned: ``mx.clear_cache``, so that the
+                process keeps what is stored, not the largest request's temporaries).
         """
+
+        journal_at_rest = None
 
         def __init__(self, max_size: int = 10, max_bytes: int | None = None):
             super().__init__(max_size, 1 << 63 if max_bytes is None else int(max_bytes))
             self._trie = LinearTrie()
             self.finishing = False
+            self.prefill_step = 0
+            self._expected = (None, frozenset())
+            self._turn_ends = OrderedDict()  # (model, length, hash of an entry's tokens) -> None
+            self._systems = OrderedDict()  # the same keys, of system prompts seen
+
+        def expect_calls(self, tokens, bounds) -> None:
+            """The token counts where the cold run of ``tokens`` (the next prompt fetched, the
+            same list object) ends a call: accepted as rewind targets (:func:`rewind_target`)."""
+            self._expected = (tokens, frozenset(bounds))
+
+        def _is_turn_end(self, model, tokens) -> bool:
+            """Whether ``tokens`` are those of an entry stored here (now or before): a point
+            where a request stopped (a checkpoint, an answer) and the next one continued."""
+            return (model, len(tokens), hash(tuple(tokens))) in self._turn_ends
+
+        @property
+        def nbytes(self) -> int:
+            """Bytes of every stored entry: the caches' ``nbytes``, their token lists and the
+            prompt trie's nodes (:func:`~.server_trie.key_nbytes`, ``LinearTrie.nbytes``)."""
+            return self._n_bytes + self._trie.nbytes
+
+        def _rest_rows(self, cache) -> int:
+            return journal_rows(cache) if self.journal_at_rest is None else self.journal_at_rest
+
+        def _seen_before(self, model, tokens) -> bool:
+            """Whether a system prompt's checkpoint of these tokens came before, up to its last
+            :data:`SYSTEM_END_SLACK` tokens (remembered from now on)."""
+            keys = [(model, n, hash(tuple(tokens[:n])))
+                    for n in range(max(1, len(tokens) - SYSTEM_END_SLACK), len(tokens) + 1)]
+            seen = any(k in self._systems for k in keys)
+            for k in keys:
+                self._systems[k] = None
+            while len(self._systems) > TURN_ENDS_KEPT:
+                self._systems.popitem(last=False)
+            return seen
+
+        def _turn_ended(self, model, tokens) -> None:
+            self._turn_ends[(model, len(tokens), hash(tuple(tokens)))] = None
+            while len(self._turn_ends) > TURN_ENDS_KEPT:
+                self._turn_ends.popitem(last=False)
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             done, self.finishing = self.finishing, False
             if cache_type == PREFILL:
                 return
-            for c in prompt_cache:
-                if hasattr(c, "shrink_to_fit"):
-                    c.shrink_to_fit(journal_rows(c))
-            reach = rewind_reach(prompt_cache)
-            entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type)
+            self._turn_ended(model, tokens)
+            if cache_type == "system" and not self._seen_before(model, tokens):
+                return  # (stored once a second request repeats the system prompt)
             prefixes = self._trie.prefixes(model, tokens)
             own = None  # an answer's own prompt checkpoint: its longest non-system prefix
             if cache_type == "assistant":
                 own = max((n for n, e in prefixes if e.cache_type != "system"), default=None)
+            back = None  # journal rows that take the answer back to its prompt checkpoint
+            if own is not None:
+                back = rows_back_to(prompt_cache, len(tokens), own)
+                checkpoint = stored_rows(self._trie.get(model, tokens[:own]).prompt_cache)
+                if back is not None and back > checkpoint:
+                    back = None  # (the checkpoint holds fewer rows: it stays)
+            for c in prompt_cache:  # (an answer that replaces its checkpoint also keeps the
+                if hasattr(c, "shrink_to_fit"):  # journal the checkpoint would have kept)
+                    c.shrink_to_fit(self._rest_rows(c) + (back or 0))
+            reach = rewind_reach(prompt_cache)
+            entry = self.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache)
+                                    + key_nbytes(tokens), cache_type)
             for length, old in prefixes:
                 if drops_prefix(len(tokens), reach, old.cache_type, length, own_prompt=length == own):
                     self._drop(model, tokens[:length])
@@ -222,9 +255,12 @@ def prompt_cache_class(cache_module):
                 self._drop(*lrus["assistant"][0])
             while sum(len(lrus[k]) for k in CHECKPOINT_TYPES) > self.max_size:
                 self._drop(*next(lrus[k][0] for k in CHECKPOINT_TYPES if lrus[k]))
-            while self._n_bytes > self.max_bytes and len(self._lru):
+            while self.nbytes > self.max_bytes and len(self._lru):
                 self._drop(*self._lru.pop(), in_lru=False)
             if done:
+                import mlx.core as mx
+
+                mx.clear_cache()  # (MLX's pool of freed buffers: a request's temporaries)
                 st = self.stored_stats()
                 logging.info(f"qfilters-mlx: {request_summary(prompt_cache, len(tokens))}; stored: "
                              f"{st['conversations']} conversations and {st['checkpoints']} "
@@ -233,7 +269,7 @@ def prompt_cache_class(cache_module):
         def trim_to(self, *, n_sequences=None, n_bytes=None):
             n_sequences = math.inf if n_sequences is None else max(0, n_sequences)
             n_bytes = math.inf if n_bytes is None else max(0, n_bytes)
-            while len(self._lru) and (len(self._lru) > n_sequences or self._n_bytes > n_bytes):
+            while len(self._lru) and (len(self._lru) > n_sequences or self.nbytes > n_bytes):
                 self._drop(*self._lru.pop(), in_lru=False)
 
         def _count(self, entry, sign: int) -> None:
@@ -259,11 +295,20 @@ def prompt_cache_class(cache_module):
             if result.longer is not None:
                 prefix = result.common_prefix  # (at most len(head): mlx-lm's min(len - 1, .))
                 entry = self._trie.get(result.model, result.longer)
-                need = len(result.longer) - prefix
-                if prefix > short and rewind_reach(entry.prompt_cache) >= need:
+                step = self.prefill_step
+
+                expected = self._expected[1] if self._expected[0] is tokens else ()
+
+                def cold(t):  # a boundary of the prompt's own calls, or where a turn ended
+                    return ((step > 0 and t % step == 0) or t == len(head) or t in expected
+                            or self._is_turn_end(result.model, tokens[:t]))
+
+                target = rewind_target(entry.prompt_cache, len(result.longer), prefix, short, cold)
+                if target is not None:
+                    need = len(result.longer) - target
                     cache = copy.deepcopy(entry.prompt_cache)
                     if all(c.trim(need) == need for c in cache):
-                        return cache, tokens[prefix:]
+                        return cache, tokens[target:]
                     logging.warning("qfilters-mlx: a stored cache trimmed fewer tokens than it "
                                     "reported it could; using a shorter stored prefix")
             if short > 0:
@@ -273,7 +318,8 @@ def prompt_cache_class(cache_module):
 
         def stored_stats(self) -> dict:
             """``conversations`` (answers) and ``checkpoints`` stored, ``sequences`` (both),
-            ``bytes`` they hold (the caches' ``nbytes``, cut to what they hold at rest;
+            ``bytes`` they hold (the caches' ``nbytes``, cut to what they hold at rest, and
+            their tokens: ``index_bytes`` of them in token lists and trie nodes;
             ``checkpoint_bytes`` of them in checkpoints), ``bytes_per_conversation``,
             ``max_bytes`` (``None``: no bound), ``rows_per_layer`` summed over the entries
             (:func:`stored_rows`), and the process's memory (:func:`process_memory`)."""
@@ -288,11 +334,13 @@ def prompt_cache_class(cache_module):
                 try:
                     keys = [k for lru in self._lru._lrus.values() for k in list(lru)]
                     rows = sum(stored_rows(self._trie.get(m, t).prompt_cache) for m, t in keys)
-                    return {"sequences": len(keys), "bytes": self.nbytes,
+                    index = self._trie.nbytes + sum(key_nbytes(t) for _, t in keys)
+                    return {"sequences": len(keys), "bytes": self.nbytes, "index_bytes": index,
                             "bytes_per_conversation": self.nbytes / n, "rows_per_layer": rows, **out}
                 except (RuntimeError, KeyError):
                     continue
-            return {"sequences": len(self), "bytes": self.nbytes,
+            return {"sequences": len(self), "bytes": self.nbytes, "index_bytes": None,
                     "bytes_per_conversation": self.nbytes / n, "rows_per_layer": None, **out}
 
+    StoredConversations.journal_at_rest = journal_at_rest
     return StoredConversations

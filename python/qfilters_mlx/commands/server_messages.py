@@ -5,7 +5,7 @@ mlx-lm passes a body's ``chat_template_kwargs`` to the tokenizer's
 ``apply_chat_template``, so a client could run a Jinja program of its own in the server
 (``chat_template``) or change what rendering returns (``tokenize``, ``return_dict``, ...).
 Both are refused here, the template unless the operator allows it (``--allow-chat-template``).
-A template that fails while rendering is answered 400 (``server_http.error_status``).
+A template that fails while rendering is answered 400 (``server_errors.error_status``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from qfilters_mlx.commands.server_errors import RequestError
 from qfilters_mlx.commands.server_messages import check_chat_template, check_messages
 
-__all__ = ["MAX_BODY_BYTES", "MAX_JSON_DEPTH", "RequestError", "Served", "check_body", "parse_body"]
+__all__ = ["MAX_BODY_BYTES", "MAX_JSON_DEPTH", "RequestError", "Served", "check_body", "parse_body",
+           "rendered_chars"]
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """Default largest request body, in bytes (``--max-body-bytes``): far above any prompt this
@@ -60,7 +61,8 @@ class Served:
         allow_switch: the operator's ``--allow-model-switch``: other names go to mlx-lm's loader.
         vocab_size: token ids are in ``[0, vocab_size)``.
         max_rewind: tokens the caches can rewind after an eviction (a draft model's
-            ``num_draft_tokens`` must not exceed it).
+            ``num_draft_tokens`` must not exceed it); ``None``: no limit (caches that never
+            evict); 0: none (quantized eviction caches).
         has_draft: a draft model is served.
         default_draft_tokens: ``num_draft_tokens`` of a request that gives none.
         takes_images: the model has an image processor.
@@ -68,6 +70,11 @@ class Served:
             own chat template (a Jinja program the server runs).
         max_prompt_tokens: longest prompt in tokens (checked after tokenization, on the
             generation side); ``None``: no limit.
+        context: the model's context in tokens (``max_tokens`` is at most it minus the
+            prompt); ``None``: unknown.
+        max_tokens_limit: the operator's ``--max-tokens-limit`` (``None``: none).
+        allowed_hosts: ``Host`` names accepted besides the loopback names
+            (``--allowed-hosts``; ``"*"``: any).
     """
 
     model_names: set = field(default_factory=lambda: {"default_model"})
@@ -75,12 +82,15 @@ class Served:
     adapter_names: set = field(default_factory=set)
     allow_switch: bool = False
     vocab_size: int = 2**31 - 1
-    max_rewind: int = 0
+    max_rewind: int | None = 0
     has_draft: bool = False
     default_draft_tokens: int = 3
     takes_images: bool = False
     allow_chat_template: bool = False
     max_prompt_tokens: int | None = None
+    context: int | None = None
+    max_tokens_limit: int | None = None
+    allowed_hosts: set = field(default_factory=set)
 
 
 def _depth(text: str) -> int:
@@ -179,16 +189,29 @@ def _bool(body, name):
         raise RequestError(name, f"must be true or false, got {json.dumps(v)[:40]}")
 
 
-def _names(body, name, accepted: set, allow_switch: bool, what: str):
+def _names(body, name, accepted: set, allow_switch: bool, what: str) -> bool:
+    """Check ``body[name]``; returns whether it names what the server was started with (then
+    it is one of ``accepted``, compared as written and without a trailing ``/``)."""
     v = body.get(name)
     if v is None:
-        return
+        return False
     if not isinstance(v, str):
         raise RequestError(name, f"must be a string, got {json.dumps(v)[:40]}")
-    if v not in accepted and not allow_switch:
+    served = v in accepted or (len(v) > 1 and v.rstrip("/") in accepted)
+    if not served and not allow_switch:
         # Never touches the file system: the answer does not depend on whether `v` exists.
         raise RequestError(name, f"this server serves only the {what} it was started with; "
                                  "switching is disabled (operator flag: --allow-model-switch)")
+    return served
+
+
+def _max_tokens(body, served: Served):
+    limit = MAX_INT if served.max_tokens_limit is None else served.max_tokens_limit
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = body.get(name)
+        if _is_int(v) and v > limit:
+            raise RequestError(name, f"at most {limit} (server flag --max-tokens-limit), got {v}")
+        _int(body, name, 1, MAX_INT)
 
 
 def _stop(body):
@@ -226,24 +249,40 @@ def _logit_bias(body, vocab_size: int):
                                              f"[-100, 100], got {json.dumps(b)[:40]}")
 
 
+def rendered_chars(body: dict, endpoint: str) -> int:
+    """Characters of every string the chat template (or the tokenizer) is given from
+    ``body``: for a chat, every string in ``messages`` (roles, contents, names, tool calls,
+    keys included), ``tools``, ``chat_template_kwargs`` and ``role_mapping``; for a text
+    completion, ``prompt``. Iterative (no recursion)."""
+    if endpoint == "text":
+        return len(body["prompt"]) if isinstance(body.get("prompt"), str) else 0
+    chars, stack = 0, [body.get(k) for k in ("messages", "tools", "chat_template_kwargs", "role_mapping")]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            chars += len(x)
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return chars
+
+
 def _prompt_chars(body, endpoint, max_tokens):
     """A prompt far longer than ``max_tokens`` tokens is refused before the generation thread
-    tokenizes it (which would stall every stream in progress): more than
-    :data:`MAX_CHARS_PER_TOKEN` characters of text per allowed token."""
+    renders and tokenizes it (which would stall every stream in progress): more than
+    :data:`MAX_CHARS_PER_TOKEN` characters per allowed token in all the strings rendered
+    (:func:`rendered_chars`)."""
     if max_tokens is None:
         return
-    if endpoint == "text":
-        chars, field = len(body["prompt"]), "prompt"
-    else:
-        chars, field = 0, "messages"
-        for m in body["messages"]:
-            content = m.get("content")
-            parts = [content] if isinstance(content, str) else content or []
-            chars += sum(len(p) if isinstance(p, str) else len(p.get("text") or "") for p in parts)
+    chars = rendered_chars(body, endpoint)
+    field = "prompt" if endpoint == "text" else "messages"
     if chars > MAX_CHARS_PER_TOKEN * max_tokens:
-        raise RequestError(field, f"{chars} characters of prompt text is over the limit of "
+        raise RequestError(field, f"{chars} characters of text to render is over the limit of "
                                   f"{MAX_CHARS_PER_TOKEN * max_tokens} ({MAX_CHARS_PER_TOKEN} per "
-                                  f"token of the {max_tokens}-token prompt limit)")
+                                  f"token of the {max_tokens}-token prompt limit; roles, tools and "
+                                  "template arguments count)")
 
 
 def check_body(body: dict, endpoint: str, served: Served) -> dict:
@@ -269,14 +308,18 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
         if not isinstance(so.get("include_usage", False), (bool, type(None))):
             raise RequestError("stream_options", "include_usage must be true or false")
         so["include_usage"] = bool(so.get("include_usage"))
-    _names(body, "model", served.model_names, served.allow_switch, "model")
-    _names(body, "draft_model", served.draft_names | {"default_model"}, served.allow_switch,
-           "draft model")
+    default = _names(body, "model", served.model_names, served.allow_switch, "model")
+    if default:
+        body["model"] = "default_model"  # (mlx-lm keys models by the literal string)
+    if _names(body, "draft_model", served.draft_names | {"default_model"}, served.allow_switch,
+              "draft model"):
+        body["draft_model"] = "default_model"
     if "adapters" in body:
-        _names(body, "adapters", served.adapter_names, served.allow_switch, "adapters")
+        if _names(body, "adapters", served.adapter_names, served.allow_switch, "adapters") and \
+                body.get("model", "default_model") == "default_model":
+            del body["adapters"]  # (mlx-lm gives the served model its own adapters)
     _int(body, "n", 1, 1)
-    _int(body, "max_tokens", 1, MAX_INT)
-    _int(body, "max_completion_tokens", 1, MAX_INT)
+    _max_tokens(body, served)
     _num(body, "temperature", 0.0, 100.0)
     _num(body, "top_p", 0.0, 1.0)  # (0 and 1: no nucleus filtering, as mlx-lm reads them)
     _int(body, "top_k", 0, served.vocab_size)
@@ -297,8 +340,10 @@ def check_body(body: dict, endpoint: str, served: Served) -> dict:
     _int(body, "num_draft_tokens", 0, 64)
     drafting = served.has_draft or body.get("draft_model") not in (None, "default_model")
     ndt = body.get("num_draft_tokens", served.default_draft_tokens)
-    if drafting and ndt > served.max_rewind:
-        raise RequestError("num_draft_tokens", f"at most {served.max_rewind}: the caches rewind "
-                                               f"{served.max_rewind} tokens after an eviction "
-                                               "(server flag --max-rewind)")
+    if drafting and served.max_rewind is not None and ndt > served.max_rewind:
+        why = ("quantized eviction caches (--kv-bits) cannot rewind rejected draft tokens"
+               if served.max_rewind == 0 else
+               f"the caches rewind {served.max_rewind} tokens after an eviction (server flag "
+               "--max-rewind)")
+        raise RequestError("num_draft_tokens", f"at most {served.max_rewind}: {why}")
     return body

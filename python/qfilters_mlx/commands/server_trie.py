@@ -10,9 +10,23 @@ the divergence is visited once, and the path is rebuilt once.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 
-__all__ = ["linear_trie_class"]
+__all__ = ["INT_BYTES", "NODE_BYTES", "key_nbytes", "linear_trie_class"]
+
+NODE_BYTES = sys.getsizeof({0: {}})
+"""Bytes of one trie node: a dict holding one child (224 on 64-bit CPython 3.11)."""
+
+INT_BYTES = sys.getsizeof(2**16)
+"""Bytes of one token id's int object (28 on 64-bit CPython)."""
+
+
+def key_nbytes(tokens) -> int:
+    """Bytes a stored entry's token list holds: the list (``sys.getsizeof``) and an int
+    object per token (:data:`INT_BYTES`; ids under 257 are CPython's shared small ints, and
+    the trie's keys are the same objects)."""
+    return sys.getsizeof(tokens) + INT_BYTES * len(tokens)
 
 
 def _longer(node):
@@ -43,7 +57,39 @@ def linear_trie_class(cache_module):
     class LinearTrie(cache_module.PromptTrie):
         """mlx-lm's trie whose ``search`` is linear in the tokens it walks (mlx-lm's copies
         the path at every node of its longer-entry search: quadratic in a stored entry's
-        length)."""
+        length), and that counts its nodes (``nbytes``: nodes x :data:`NODE_BYTES`)."""
+
+        def __init__(self):
+            super().__init__()
+            self.nodes = 0
+
+        @property
+        def nbytes(self) -> int:
+            return self.nodes * NODE_BYTES
+
+        def add(self, model, tokens, value):
+            current = self._trie.setdefault(model, {})
+            for tok in tokens:
+                child = current.get(tok)
+                if child is None:
+                    child = current[tok] = {}
+                    self.nodes += 1
+                current = child
+            prev = current.get("__value__")
+            current["__value__"] = value
+            return prev
+
+        def pop(self, model, tokens):
+            path = [self._trie[model]]
+            for tok in tokens:
+                path.append(path[-1][tok])
+            value = path[-1].pop("__value__")
+            for i in range(len(tokens), 0, -1):
+                if path[i]:
+                    break
+                del path[i - 1][tokens[i - 1]]
+                self.nodes -= 1
+            return value
 
         def search(self, model, tokens):
             result = cache_module.PromptTrieResult
