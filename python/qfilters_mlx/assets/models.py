@@ -15,6 +15,7 @@ read or joined); :mod:`qfilters_mlx.assets.prepare_model` converts it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -163,22 +164,20 @@ def join_parts(spec: ModelSpec, parts: list[Path], out: Path) -> Path:
         ValueError: the sha256 is not :attr:`ModelSpec.sha256`.
     """
     digest = hashlib.sha256()
-    if len(parts) == 1:
-        with open(parts[0], "rb") as src:
-            for block in iter(lambda: src.read(1 << 22), b""):
-                digest.update(block)
-        _check_sha256(spec, digest.hexdigest())
-        return parts[0]
+    whole = parts[0] if len(parts) == 1 else out
     try:
-        with open(out, "wb") as dst:
+        with contextlib.ExitStack() as stack:
+            dst = None if whole is parts[0] else stack.enter_context(open(out, "wb"))
             for part in parts:
                 with open(part, "rb") as src:
                     for block in iter(lambda: src.read(1 << 22), b""):
                         digest.update(block)
-                        dst.write(block)
+                        if dst is not None:
+                            dst.write(block)
         _check_sha256(spec, digest.hexdigest())
     except BaseException:
-        out.unlink(missing_ok=True)
+        if whole is out:
+            out.unlink(missing_ok=True)
         raise
-    return out
+    return whole
 

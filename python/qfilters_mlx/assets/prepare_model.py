@@ -113,11 +113,14 @@ def _convert_into(gguf_path: Path, folder: Path, marker: dict) -> None:
 
 
 def _read_marker(folder: Path) -> dict | None:
+    """``folder``'s marker when it is of the current format, else ``None``."""
     try:
         marker = json.loads((folder / MARKER_FILENAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return marker if isinstance(marker, dict) else None
+    if not isinstance(marker, dict) or marker.get("format_version") != _FORMAT_VERSION:
+        return None
+    return marker
 
 
 def prepared_model(folder: str | os.PathLike) -> str | None:
@@ -125,9 +128,7 @@ def prepared_model(folder: str | os.PathLike) -> str | None:
     format, or a file given to :func:`convert_gguf` directly). Folders of an older format (read
     by an earlier converter) are converted again."""
     marker = _read_marker(Path(folder))
-    if marker is None or marker.get("format_version") != _FORMAT_VERSION:
-        return None
-    return marker.get("model")
+    return None if marker is None else marker.get("model")
 
 
 def is_prepared(folder: str | os.PathLike, model: str | None = None) -> bool:
@@ -137,8 +138,7 @@ def is_prepared(folder: str | os.PathLike, model: str | None = None) -> bool:
     if not all((folder / name).is_file() for name in _REQUIRED_FILES):
         return False
     if model is None:
-        marker = _read_marker(folder)
-        return marker is not None and marker.get("format_version") == _FORMAT_VERSION
+        return _read_marker(folder) is not None
     return prepared_model(folder) == get_model(model).name
 
 
