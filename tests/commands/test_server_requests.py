@@ -203,15 +203,18 @@ def test_every_alias_of_what_is_served_becomes_default_model(tmp_path):
     assert other["model"] == "/other"  # (another model: mlx-lm's loader, as asked)
 
 
-def test_the_served_names_include_the_registry_name_and_the_folder(tmp_path):
+def test_the_served_names_include_the_registry_name_and_the_folder(tmp_path, monkeypatch):
     """Started with no ``--model`` the server serves the default model: its registry name
     (``smollm2-135m``) is an alias as well as its folder; started with a registry name, that
     name is. Another registry name is not an alias."""
     import argparse
 
+    from qfilters_mlx import KVCacheConfig
     from qfilters_mlx.assets.models import DEFAULT_MODEL, model_names
+    from qfilters_mlx.commands import server
     from qfilters_mlx.commands.server import _served
 
+    monkeypatch.setattr(server, "_CONFIG", KVCacheConfig())  # (what `run` sets from the flags)
     folder = tmp_path / "SmolLM2-135M-Instruct-f32"
     folder.mkdir()
     for given, expected in ((None, DEFAULT_MODEL), ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b")):

@@ -46,7 +46,7 @@ def error_status(err: BaseException) -> int:
         return 500
     if isinstance(err, RuntimeError) and "generation thread died" in str(err):
         return 503
-    if isinstance(err, (ValueError, TypeError, KeyError, IndexError, RequestError)):
+    if isinstance(err, (ValueError, TypeError, KeyError, IndexError)):
         return 400
     if any(k.__module__.startswith("jinja2") for k in type(err).__mro__):
         return 400  # the chat template failed on the messages (or a client's template failed)
