@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfilters_mlx.cache.rows import resolve_limits, window
+from qfilters_mlx.cache.rows import window
 
 __all__ = ["before_call", "check_compress", "check_target", "compress", "compress_caches",
            "grown_exact", "keep_count"]
@@ -134,7 +134,7 @@ def compress(cache, ratio: float | None = None, budget: int | None = None) -> in
         cache._evict(keep, *window(c, cache.scorer.ranks, keep))  # (the streaming eviction's routine)
         mx.async_eval(*cache.rows)
     cache._compressed = (cache._n, cache.offset)
-    cache.limits = resolve_limits(c, cache.recent_window, cache.scorer.ranks, cache._n)
+    cache.resolve_limits()
     return cache._n
 
 

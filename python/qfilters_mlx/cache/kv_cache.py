@@ -154,8 +154,6 @@ class QFiltersKVCache(_BaseCache):
         self._queries_pending = False  # an update's queries have not arrived yet
         self._queries = None  # [B, H_q, <=calib, D] first calib_tokens queries
         self.rows = EMPTY
-        self.recent_window = config.layer_recent(self.layer_idx)  # (int, or H_kv per-head ints)
-        self.limits = resolve_limits(config, self.recent_window, self.scorer.ranks, None)
         self.filter = filters
         self.offset = 0
         self._n = 0  # live rows
@@ -164,6 +162,7 @@ class QFiltersKVCache(_BaseCache):
         self._journal = RewindJournal(rewind.depth_now(self))  # exact `trim` after an eviction
         self._victim_rows = None  # (the free slot's rows, for the journal)
         self._compressed = None  # compress-once: (K, offset) of the compression once done
+        self.resolve_limits()
         self._saw_chunk = False  # a multi-token call was seen (the `prompt_end` trigger)
         # what the last update returned, kept only for layers whose K/V another layer reads
         # (keys_and_values; otherwise it would keep a chunk's pre-eviction rows alive)
@@ -401,6 +400,13 @@ class QFiltersKVCache(_BaseCache):
         self._free = None
         self._victim_rows = None
         return layout
+
+    def resolve_limits(self) -> None:
+        """Set ``recent_window`` (int, or H_kv per-head ints) and ``limits`` from the
+        configuration and the compression done (``_compressed``): at setup, load and compression."""
+        self.recent_window = self.config.layer_recent(self.layer_idx)
+        done = None if self._compressed is None else self._compressed[0]
+        self.limits = resolve_limits(self.config, self.recent_window, self.scorer.ranks, done)
 
     def _to_temporal(self) -> None:
         """Leave slot mode outside a call (recorded in the journal, 0 tokens)."""

@@ -38,7 +38,7 @@ from qfilters_mlx.cache.dense import DenseRows
 from qfilters_mlx.cache.journal import RewindJournal, to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.cache.rewind import depth_now
-from qfilters_mlx.cache.rows import Rows, resolve_limits
+from qfilters_mlx.cache.rows import Rows
 from qfilters_mlx.cache.speculative import guard_speculative
 from qfilters_mlx.config import (DEFAULT_KV_GROUP_SIZE, FORMAT, FORMATS, BuildOptions,
                                  KVCacheConfig, build_from_state, build_to_state,
@@ -254,9 +254,7 @@ def restore(cache, v) -> None:
     cache.filter = s.filter
     cache._journal = RewindJournal(depth_now(cache))
     cache._compressed, cache._saw_chunk = s.compressed, s.saw_chunk
-    cache.recent_window = s.config.layer_recent(s.layer_idx)
-    cache.limits = resolve_limits(s.config, cache.recent_window, cache.scorer.ranks,
-                                  None if s.compressed is None else s.compressed[0])
+    cache.resolve_limits()
     cache.keep_last_kv, cache._last_kv = s.keep_last_kv, None
 
 
