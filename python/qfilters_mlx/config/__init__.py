@@ -5,6 +5,8 @@
   :mod:`.recent`; the defaults: :mod:`.defaults`.
 * :class:`BuildOptions` (:mod:`.build`): kernel backend, rewind depth, quantized K/V storage
   (keywords of ``KVCacheBuilder`` and the cache constructors; :data:`DEFAULT_MAX_REWIND`).
+* :class:`HeadBudgets` (:mod:`.heads`): per-head budgets and windows (head groups stored
+  at their own sizes).
 * :mod:`.state`: the form saved prompt caches store (format 2, and the translator of
   format 1); :mod:`.removed`: the 0.1 spellings removed in 0.3.0 (``TypeError`` naming
   the new spelling).
@@ -23,6 +25,7 @@ from qfilters_mlx.config.defaults import (DEFAULT_BUDGET, DEFAULT_CALIB_TOKENS,
                                               DEFAULT_RECENT_FRACTION, DEFAULT_SEED, DEFAULT_SIGN,
                                               FILTER_SOURCES, METHODS, default_recent,
                                               default_sign)
+from qfilters_mlx.config.heads import HeadBudgets, HeadGroup
 from qfilters_mlx.config.method import KVCacheConfig
 from qfilters_mlx.config.modes import COMPRESS_AT, MODES, CompressOnce, Streaming
 from qfilters_mlx.config.recent import (layer_recent, per_layer_table, resolve_recent,
@@ -35,7 +38,7 @@ __all__ = [
     "DEFAULT_FILTER_SOURCE", "DEFAULT_KEY_SIGN", "DEFAULT_KV_GROUP_SIZE", "DEFAULT_MAX_REWIND",
     "DEFAULT_METHOD", "DEFAULT_N_SINK", "DEFAULT_RECENT_FRACTION", "DEFAULT_SEED", "DEFAULT_SIGN",
     "FILTER_SOURCES", "INT32_MAX", "KV_BITS", "KV_GROUP_SIZES", "METHODS", "MODES",
-    "FORMAT", "FORMATS", "BuildOptions", "CompressOnce", "KVCacheConfig", "Streaming", "build_from_state",
+    "FORMAT", "FORMATS", "BuildOptions", "HeadBudgets", "HeadGroup", "CompressOnce", "KVCacheConfig", "Streaming", "build_from_state",
     "build_to_state", "check_int", "config_from_state", "config_to_state", "default_recent",
     "default_sign", "from_format1",
     "layer_recent", "merge_options", "per_layer_table", "resolve_recent", "with_stored_windows",
