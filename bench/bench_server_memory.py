@@ -122,15 +122,17 @@ def _ask(port, messages, max_tokens) -> dict:
 
 
 def _settled(port, arm, answers, timeout=120.0) -> dict | None:
-    """``/health``'s ``stored`` once at least ``answers`` answers are stored (the generation loop
-    stores a finished request's cache right after its reply); ``None`` for the anchor."""
+    """``/health``'s ``stored`` once the caches of at least ``answers`` requests were handed in
+    (``requests``: the generation loop stores a finished request's cache right after its reply;
+    a follow-up replaces its conversation's entry, so the count of conversations stays);
+    ``None`` for the anchor."""
     if arm == "mlx_lm":
         return None
     deadline = time.time() + timeout
     while True:
         _, h = get_json(port, "/health")
         stored = h.get("stored") or {}
-        if stored.get("conversations", -1) >= answers or time.time() > deadline:
+        if stored.get("requests", -1) >= answers or time.time() > deadline:
             return stored
         time.sleep(0.2)
 

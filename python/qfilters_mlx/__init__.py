@@ -15,6 +15,8 @@ __version__ = "0.3.0"
 
 _EXPORTS = {
     "CompressOnce": ".config",
+    "HeadBudgets": ".config",
+    "HeadGroupsKVCache": ".cache.head_groups",
     "KVCacheBuilder": ".cache.builder",
     "KVCacheConfig": ".config",
     "METHODS": ".config",

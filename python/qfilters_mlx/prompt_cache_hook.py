@@ -2,7 +2,7 @@
 
 ``mlx_lm.models.cache.load_prompt_cache`` resolves each saved cache class with
 ``globals()[name]`` in its own module, so ``QFiltersKVCache``,
-``QuantizedQFiltersKVCache`` and ``BatchQFiltersCache`` must be attributes of
+``QuantizedQFiltersKVCache``, ``BatchQFiltersCache`` and ``HeadGroupsKVCache`` must be attributes of
 ``mlx_lm.models.cache``. Our cache modules add them when they are imported; this
 module makes that happen as soon as ``mlx_lm.models.cache`` is imported (or at once
 if it already is), without importing MLX itself: a finder on ``sys.meta_path`` wraps
@@ -24,7 +24,7 @@ import sys
 
 TARGET = "mlx_lm.models.cache"
 # importing each registers its classes in mlx_lm.models.cache
-OUR_MODULES = ("qfilters_mlx.cache.kv_cache", "qfilters_mlx.cache.batch")
+OUR_MODULES = ("qfilters_mlx.cache.kv_cache", "qfilters_mlx.cache.batch", "qfilters_mlx.cache.head_groups")
 MARKER = "_registers_qfilters_mlx_caches"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
+from qfilters_mlx.cache.head_groups import check_heads, layer_cache
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
 from qfilters_mlx.config import (BuildOptions, KVCacheConfig, merge_options, per_layer_table,
                                  with_stored_windows)
@@ -174,7 +175,8 @@ class KVCacheBuilder:
     @_BuilderMethod
     def for_model(self, model, config: KVCacheConfig | None = None, *, tokenizer=None,
                   model_path=None, backend: str | None = None, max_rewind: int | None = None,
-                  kv_bits: int | None = None, kv_group_size: int | None = None) -> BudgetedCaches:
+                  kv_bits: int | None = None, kv_group_size: int | None = None,
+                  heads=None) -> BudgetedCaches:
         """The model's own caches with every plain ``KVCache`` replaced by a
         :class:`QFiltersKVCache` (inside ``CacheList`` too).
 
@@ -214,6 +216,14 @@ class KVCacheBuilder:
         budgeted layers, see :func:`qfilters_mlx.model_info.model_dims`): budgeted slot
         ``i`` gets ``filters[i]`` and evicts from its first call.
 
+        Head groups: ``heads`` (a :class:`qfilters_mlx.config.HeadBudgets`: a budget and
+        recent window per budgeted layer and KV head) replaces the configuration's budget and
+        windows per head; a layer whose heads differ in budget gets a
+        :class:`~qfilters_mlx.cache.head_groups.HeadGroupsKVCache` (one cache per budget,
+        each stored at its own size), a layer of one budget a plain cache at it. Streaming
+        mode only; not on a tensor-parallel rank, for layers whose K/V another layer reads,
+        or for batch generation (each refused with a ``ValueError``).
+
         On one rank of a tensor-parallel model (``mlx_lm.utils.sharded_load`` /
         ``model.shard(group)`` under ``mlx.launch``) the caches hold the rank's KV heads
         (read from the sharded model by the shape probe), a filters file or array
@@ -223,7 +233,8 @@ class KVCacheBuilder:
 
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``; a build option of the wrong type.
-            ValueError: a build option out of range (named); layers use multi-head latent attention (MLA, named with
+            ValueError: a build option out of range (named); ``heads`` that do not fit (see
+                :func:`~qfilters_mlx.cache.head_groups.check_heads`); layers use multi-head latent attention (MLA, named with
                 the layers); no layer has a plain attention cache; ``config.head_dim``
                 differs from a layer's key width (both numbers named); the model
                 uses its caches beyond mlx-lm's cache protocol; the filters
@@ -234,9 +245,9 @@ class KVCacheBuilder:
         """
         options = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
                        kv_group_size=kv_group_size)
-        return self._prepare(model, _checked(config), tokenizer, model_path, options)[0]
+        return self._prepare(model, _checked(config), tokenizer, model_path, options, heads)[0]
 
-    def _prepare(self, model, config, tokenizer, model_path, keywords):
+    def _prepare(self, model, config, tokenizer, model_path, keywords, heads=None):
         """``(caches, build)``: :meth:`for_model`'s caches and a function building fresh ones."""
         options = self.options_for(config, **keywords)
         config = with_stored_windows(config)  # (recent="calibrated": the file read once, here)
@@ -247,25 +258,32 @@ class KVCacheBuilder:
         budgeted = _check_layout(slots, config, model)
         shared_kv = _trial_forward(model, budgeted)
         shard = shard_info(model, {s.n_kv_heads for s in budgeted})
+        if heads is not None:
+            check_heads(heads, config, [s.n_kv_heads for s in budgeted], shard=shard,
+                        shared_kv=bool(shared_kv))
         filters, config, origin = _layer_filters(model, config, tokenizer, model_path)
 
         def build():
             return KVCacheBuilder._build(config, options, slots, budgeted, filters, model, shard,
-                                         shared_kv, origin)
+                                         shared_kv, origin, heads)
 
         return build(), build
 
     @staticmethod
     def _build(config: KVCacheConfig, options: BuildOptions, slots, budgeted, filters, model,
-               shard=None, shared_kv: tuple = (), origin: str = "") -> BudgetedCaches:
+               shard=None, shared_kv: tuple = (), origin: str = "", heads=None) -> BudgetedCaches:
         """Fresh caches for an already probed and checked layout (``filters`` loaded)."""
         caches = BudgetedCaches(default_caches(model))
         table = per_layer_table(config, len(budgeted))
         for i, s in enumerate(budgeted):
             # per-head windows: budgeted slot i's row (rows follow the filters' order)
             cfg = config.for_layer(i, s.key_dim) if table else config.with_head_dim(s.key_dim)
-            c = _new_cache(QFiltersKVCache, cfg, s.layer, None if filters is None else filters[i],
-                           options)
+            f = None if filters is None else filters[i]
+            if heads is None:
+                c = _new_cache(QFiltersKVCache, cfg, s.layer, f, options)
+            else:
+                c = layer_cache(cfg, heads.groups(i), s.layer, f, lambda gc, gf, _l=s.layer:
+                                _new_cache(QFiltersKVCache, gc, _l, gf, options))
             c.keep_last_kv = s.path in shared_kv
             replace_at(caches, s.path, c)
         keys = {s.path for s in budgeted}
@@ -276,7 +294,8 @@ class KVCacheBuilder:
     @_BuilderMethod
     def install(self, model, config: KVCacheConfig | None = None, *, tokenizer=None,
                 model_path=None, backend: str | None = None, max_rewind: int | None = None,
-                kv_bits: int | None = None, kv_group_size: int | None = None) -> BuildReport:
+                kv_bits: int | None = None, kv_group_size: int | None = None,
+                heads=None) -> BuildReport:
         """Make ``model.make_cache()`` build *fresh* eviction caches on every call.
 
         Unlike ``model.make_cache = lambda *_a, **_k: caches``, which hands the
@@ -285,7 +304,7 @@ class KVCacheBuilder:
         per request. Validates like :meth:`for_model` (errors are raised here, not
         at the first generation); the model is probed and its filter found or made
         (the default: the calibrated query filter, see :meth:`for_model`; ``tokenizer``,
-        ``model_path`` and the build options as there) once, here. Returns the :class:`BuildReport`
+        ``model_path``, ``heads`` and the build options as there) once, here. Returns the :class:`BuildReport`
         (``report.filters`` names the filter).
 
         mlx-lm builds these caches inside ``generate`` or its server, where no
@@ -309,7 +328,7 @@ class KVCacheBuilder:
                 "or build caches with for_model and generate inside observe_queries")
         options = dict(backend=backend, max_rewind=max_rewind, kv_bits=kv_bits,
                        kv_group_size=kv_group_size)
-        caches, build = self._prepare(model, config, tokenizer, model_path, options)  # validate now
+        caches, build = self._prepare(model, config, tokenizer, model_path, options, heads)  # validate now
         model.make_cache = lambda *_a, **_k: build()
         return caches.report
 

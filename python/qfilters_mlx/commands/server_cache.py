@@ -177,6 +177,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             super().__init__(max_size, 1 << 63 if max_bytes is None else int(max_bytes))
             self._trie = LinearTrie()
             self.finishing = False
+            self.requests_stored = 0  # requests whose final cache was handed in (stored or not)
             self.prefill_step = 0
             self._expected = (None, frozenset())
             self._turn_ends = OrderedDict()  # (model, length, hash of an entry's tokens) -> None
@@ -220,6 +221,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             done, self.finishing = self.finishing, False
+            self.requests_stored += done
             if cache_type == PREFILL:
                 return
             self._turn_ended(model, tokens)
@@ -322,12 +324,14 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             their tokens: ``index_bytes`` of them in token lists and trie nodes;
             ``checkpoint_bytes`` of them in checkpoints), ``bytes_per_conversation``,
             ``max_bytes`` (``None``: no bound), ``rows_per_layer`` summed over the entries
-            (:func:`stored_rows`), and the process's memory (:func:`process_memory`)."""
+            (:func:`stored_rows`), ``requests`` (requests whose final cache was handed in to be
+            stored, since the start) and the process's memory (:func:`process_memory`)."""
             by_type = self.stats_by_type()
             out = {"conversations": by_type["assistant"]["n_sequences"],
                    "checkpoints": sum(by_type[k]["n_sequences"] for k in CHECKPOINT_TYPES),
                    "checkpoint_bytes": sum(by_type[k]["n_bytes"] for k in CHECKPOINT_TYPES),
                    "max_bytes": None if self.max_bytes >= 1 << 63 else self.max_bytes,
+                   "requests": self.requests_stored,
                    "process": process_memory()}
             n = max(out["conversations"], 1)
             for _ in range(5):  # (read from the HTTP thread while the generation loop inserts)
