@@ -359,3 +359,15 @@ def test_batch_generator_refuses_groups_by_name():
             batched(model, [[1, 2, 3, 4, 5] * 10, [7, 8, 9] * 9], 4)
     finally:
         del model.make_cache
+
+
+def test_copies_are_independent_and_continue_alike():
+    """``copy.deepcopy`` (mlx-lm's server copies stored caches) continues as the original."""
+    model, toks = _model(), _tokens()
+    caches = _grouped(model)
+    _run(model, caches, toks[:, :PROMPT + 4])
+    twin = copy.deepcopy(caches)
+    a = [model(toks[:, t:t + 1], cache=caches)[:, -1] for t in range(PROMPT + 4, PROMPT + 12)]
+    assert twin[0].offset == PROMPT + 4  # the copy did not move
+    b = [model(toks[:, t:t + 1], cache=twin)[:, -1] for t in range(PROMPT + 4, PROMPT + 12)]
+    assert mx.array_equal(mx.stack(a), mx.stack(b)).item()
