@@ -131,7 +131,7 @@ class HeadGroupsKVCache(_BaseCache):
         parts = [(keys[:, i], values[:, i]) for i in self._kv_index]
         for c, (k, v) in zip(self.caches, parts):
             check_update(c, k, v)  # every group checked before any changes
-        out = [c.update_and_fetch(k, v) for c, (k, v) in zip(self.caches, parts)]
+        out = [c._fetch(k, v) for c, (k, v) in zip(self.caches, parts)]
         return GroupedKV(o[0] for o in out), GroupedKV(o[1] for o in out)
 
     def attend(self, queries, keys, values, scale, mask, sinks=None, sdpa=None):

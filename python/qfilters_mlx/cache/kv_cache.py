@@ -217,6 +217,11 @@ class QFiltersKVCache(_BaseCache):
                 raised before any state changes.
         """
         check_update(self, keys, values)
+        return self._fetch(keys, values)
+
+    def _fetch(self, keys, values):
+        """``update_and_fetch`` of inputs already checked (a head-group cache checks every
+        group's before any group changes)."""
         self._last_kv = None  # released before the buffers are written
         if self.limits.once:  # the `prompt_end` trigger, before anything is stored
             compression.before_call(self, keys.shape[2])
