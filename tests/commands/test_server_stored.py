@@ -540,3 +540,28 @@ def test_a_second_follow_up_reaches_the_turn_when_the_first_ones_answer_replaced
     second, _ = _serve(store, model, cfg, turn + [50, 51] + _tokens(4, 6), 4, sys_end=6, fresh=deep,
                        turn=len(turn) + 2)
     assert second == len(turn) + 2
+
+
+@pytest.mark.parametrize("answer", [4, 12])
+def test_an_answer_the_conversation_moved_past_is_dropped_a_branch_stays(answer):
+    """A client that re-sends the last answer with other tokens (re-tokenized text) continues
+    the conversation past the stored answer, which no later prompt extends: once the new answer
+    is stored (and rewinds back into its prompt) the old one goes, so a conversation keeps one
+    answer. Two follow-ups of one turn are two branches: both answers stay."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    prompt = _tokens(40, 1)
+    _, out = _serve(store, model, cfg, prompt, answer)
+    assert store.stored_stats()["conversations"] == 1
+    resent = prompt + out[:-2] + [(out[-2] + 1) % 90, (out[-1] + 1) % 90] + _tokens(20, 2)
+    reused, out2 = _serve(store, model, cfg, resent, answer, turn=len(prompt) + len(out))
+    assert reused == len(prompt) - 1  # (the old answer rewound to a boundary the cold run has)
+    keys = [t for lru in store._lru._lrus.values() for _, t in lru]
+    assert prompt + out not in keys and resent + out2 in keys
+    assert store.stored_stats()["conversations"] == 1
+    # two follow-ups of the new turn: two branches, both kept
+    turn = resent + out2
+    _serve(store, model, cfg, turn + _tokens(12, 3), answer, turn=len(turn))
+    _serve(store, model, cfg, turn + _tokens(12, 4), answer, turn=len(turn))
+    assert store.stored_stats()["conversations"] == 2

@@ -182,6 +182,8 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             self._expected = (None, frozenset())
             self._turn_ends = OrderedDict()  # (model, length, hash of an entry's tokens) -> None
             self._systems = OrderedDict()  # the same keys, of system prompts seen
+            self._prompt_ends = OrderedDict()  # the same keys, of stored answers -> prompt length
+            self._served = None  # (prompt, the longer entry its fetch found, common prefix)
 
         def expect_calls(self, tokens, bounds) -> None:
             """The token counts where the cold run of ``tokens`` (the next prompt fetched, the
@@ -213,6 +215,26 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             while len(self._systems) > TURN_ENDS_KEPT:
                 self._systems.popitem(last=False)
             return seen
+
+        def _drop_passed(self, model, prompt) -> None:
+            """Drop the stored answer that ``prompt`` (of the answer being stored) moved past:
+            the longer entry :meth:`fetch_nearest_cache` found for it, when ``prompt``
+            follows it beyond that answer's own prompt but leaves it before its end (the client
+            re-sent the answer with other tokens, or asked for another answer to the same
+            prompt). Called only when the new entry rewinds back into its prompt or its
+            prompt's checkpoint stays, so the conversation goes on from them as from the old
+            answer; a branch that left the old answer elsewhere (a sibling follow-up) is no
+            such case."""
+            served, self._served = self._served, None
+            if served is None or served[0] is not prompt:
+                return
+            _, old, common = served
+            end = self._prompt_ends.get((model, len(old), hash(tuple(old))))
+            if end is None or not end <= common < len(old):
+                return
+            entry = self._trie.get(model, old)
+            if entry is not None and entry.cache_type == "assistant":
+                self._drop(model, old)
 
         def _turn_ended(self, model, tokens) -> None:
             self._turn_ends[(model, len(tokens), hash(tuple(tokens)))] = None
@@ -246,12 +268,22 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             for length, old in prefixes:
                 if drops_prefix(len(tokens), reach, old.cache_type, length, own_prompt=length == own):
                     self._drop(model, tokens[:length])
+            prompt = self._expected[0]
+            if cache_type == "assistant" and prompt is not None and tokens[:len(prompt)] == prompt:
+                if len(tokens) - reach < len(prompt) or any(  # (it rewinds to its prompt, or
+                        n >= len(prompt) - 1 and e.cache_type != "system"  # its prompt's
+                        for n, e in self._trie.prefixes(model, tokens)):  # checkpoint stays)
+                    self._drop_passed(model, prompt)
             prev = self._trie.add(model, tokens, entry)
             if prev is not None:
                 self._count(prev, -1)
                 self._lru.remove(model, tokens)
             self._count(entry, +1)
             self._lru.push(model, tokens, cache_type)
+            if cache_type == "assistant" and prompt is not None and tokens[:len(prompt)] == prompt:
+                self._prompt_ends[(model, len(tokens), hash(tuple(tokens)))] = len(prompt)
+                while len(self._prompt_ends) > TURN_ENDS_KEPT:
+                    self._prompt_ends.popitem(last=False)
             lrus = self._lru._lrus
             while len(lrus["assistant"]) > self.max_size:
                 self._drop(*lrus["assistant"][0])
@@ -294,8 +326,10 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                 entry = self._trie.get(result.model, result.exact)
                 return copy.deepcopy(entry.prompt_cache), tokens[len(head):]
             short = len(result.shorter) if result.shorter is not None else 0
+            self._served = None
             if result.longer is not None:
                 prefix = result.common_prefix  # (at most len(head): mlx-lm's min(len - 1, .))
+                self._served = (tokens, list(result.longer), prefix)
                 entry = self._trie.get(result.model, result.longer)
                 step = self.prefill_step
 
