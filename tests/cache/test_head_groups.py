@@ -21,7 +21,8 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 from helpers.cache_model import model_keep, model_scores
 from helpers.query_models import tiny_llama
 from qfilters_mlx import HeadBudgets, HeadGroupsKVCache, KVCacheBuilder, KVCacheConfig
-from qfilters_mlx.cache.head_groups import GroupedKV, check_heads
+from qfilters_mlx.cache.head_group_build import check_heads
+from qfilters_mlx.cache.head_groups import GroupedKV
 from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
 from qfilters_mlx.config import CompressOnce
 from qfilters_mlx.evaluation.attention_route import route_attention
@@ -113,7 +114,7 @@ def test_equal_budgets_identical_to_one_budget_cache():
     assert not any(isinstance(c, HeadGroupsKVCache) for c in caches)
     assert mx.array_equal(one, _run(model, caches, toks)).item()
     # the same budget forced into groups (heads 0 and 2 together, out of order): the same logits
-    from qfilters_mlx.cache.head_groups import layer_cache
+    from qfilters_mlx.cache.head_group_build import layer_cache
     from qfilters_mlx.cache.kv_cache import build_cache
     from qfilters_mlx.config import HeadGroup
 
@@ -155,7 +156,7 @@ def test_process_memory_follows_the_group_budgets():
     mx.eval(feed, f)
 
     def held(heads):
-        from qfilters_mlx.cache.head_groups import layer_cache
+        from qfilters_mlx.cache.head_group_build import layer_cache
         from qfilters_mlx.cache.kv_cache import build_cache
 
         cfg = KVCacheConfig(qfilters_budget=256, qfilters_n_sink=4, qfilters_recent=32,
@@ -175,21 +176,27 @@ def test_process_memory_follows_the_group_budgets():
                  for a in a.rows if a is not None])
         return mx.get_active_memory() - before, sum(c.nbytes for c in caches), caches
 
-    grown, reported, keep = held(big)
+    grown, reported, _ = held(big)
     assert reported == layers * ((2 * 512 + 6 * 64) * (Dm * 2 * 4 + 12) + H * Dm * 4)
     assert reported <= grown <= reported * 1.1 + (1 << 20), (grown, reported)
-    grown_one, reported_one, keep_one = held(None)
+    grown_one, reported_one, _ = held(None)
     # one budget of 256 for every head holds 8 * 256 tokens a layer; the groups 2 * 512 + 6 * 64
     assert reported / reported_one == pytest.approx((2 * 512 + 6 * 64) / (8 * 256), rel=0.02)
     assert grown / grown_one == pytest.approx(reported / reported_one, rel=0.1)
 
 
-def test_save_load_continues_exactly(tmp_path):
+def _saved(tmp_path, fed):
+    """``(model, tokens, caches, path)``: grouped caches fed ``fed`` tokens, saved by mlx-lm."""
     model, toks = _model(), _tokens()
     caches = _grouped(model)
-    _run(model, caches, toks[:, :PROMPT + 8])
+    _run(model, caches, toks[:, :fed])
     path = tmp_path / "groups.safetensors"
     save_prompt_cache(str(path), caches)
+    return model, toks, caches, path
+
+
+def test_save_load_continues_exactly(tmp_path):
+    model, toks, caches, path = _saved(tmp_path, PROMPT + 8)
     loaded = load_prompt_cache(str(path))
     assert [type(c).__name__ for c in loaded] == ["HeadGroupsKVCache"] * LAYERS
     rest = toks[:, PROMPT + 8:]
@@ -199,11 +206,7 @@ def test_save_load_continues_exactly(tmp_path):
 
 
 def test_load_in_a_fresh_process_with_mlx_lm_only(tmp_path):
-    model, toks = _model(), _tokens()
-    caches = _grouped(model)
-    _run(model, caches, toks[:, :PROMPT + 4])
-    path = tmp_path / "groups.safetensors"
-    save_prompt_cache(str(path), caches)
+    _, _, caches, path = _saved(tmp_path, PROMPT + 4)
     code = ("from mlx_lm.models.cache import load_prompt_cache; import sys; "
             "c = load_prompt_cache(sys.argv[1]); "
             "print([type(x).__name__ for x in c], [x.offset for x in c], "
@@ -322,7 +325,7 @@ def test_speculative_decoding_with_groups_equals_one_budget():
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from qfilters_mlx.cache.head_groups import layer_cache
+    from qfilters_mlx.cache.head_group_build import layer_cache
     from qfilters_mlx.cache.kv_cache import build_cache
     from qfilters_mlx.config import HeadGroup
 

@@ -5,7 +5,7 @@ import pytest
 
 from helpers.batch_helpers import config, tiny_llama
 from qfilters_mlx.cache.builder import KVCacheBuilder
-from qfilters_mlx.commands import server, server_cache
+from qfilters_mlx.commands import server, server_memory
 from qfilters_mlx.commands.cli import build_parser
 
 
@@ -60,7 +60,7 @@ def test_request_summary_compares_kept_and_full_kv_bytes_like_with_like():
     model = tiny_llama()
     caches = KVCacheBuilder.for_model(model, config())
     model(mx.array([list(range(40))]), cache=caches)
-    line = server_cache.request_summary(caches, 40)
+    line = server_memory.request_summary(caches, 40)
     c = caches[0]
     H, D = c.keys.shape[1], c.keys.shape[3]
     row = H * 2 * D * c.keys.dtype.size  # one token's K and V in one layer

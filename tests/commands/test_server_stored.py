@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 from helpers.batch_helpers import config, tiny_llama
 from qfilters_mlx.cache.builder import KVCacheBuilder
 from qfilters_mlx.cache.journal import record_rows
-from qfilters_mlx.commands.server_cache import drops_prefix, prompt_cache_class, stored_rows
+from qfilters_mlx.commands.server_cache import drops_prefix, prompt_cache_class
+from qfilters_mlx.commands.server_memory import stored_rows
 from qfilters_mlx.commands.server_calls import PREFILL, prefill_segments
 
 BUDGET, REWIND = 16, 8

@@ -13,7 +13,7 @@ from __future__ import annotations
 import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
-from qfilters_mlx.cache.head_groups import check_heads, layer_cache
+from qfilters_mlx.cache.head_group_build import check_heads, layer_cache
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
 from qfilters_mlx.config import (BuildOptions, KVCacheConfig, merge_options, per_layer_table,
                                  with_stored_windows)
@@ -234,7 +234,7 @@ class KVCacheBuilder:
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``; a build option of the wrong type.
             ValueError: a build option out of range (named); ``heads`` that do not fit (see
-                :func:`~qfilters_mlx.cache.head_groups.check_heads`); layers use multi-head latent attention (MLA, named with
+                :func:`~qfilters_mlx.cache.head_group_build.check_heads`); layers use multi-head latent attention (MLA, named with
                 the layers); no layer has a plain attention cache; ``config.head_dim``
                 differs from a layer's key width (both numbers named); the model
                 uses its caches beyond mlx-lm's cache protocol; the filters

@@ -1,0 +1,62 @@
+"""Building head groups for a model: checking a :class:`~qfilters_mlx.config.HeadBudgets`
+against the configuration and the model (:func:`check_heads`) and one budgeted layer's cache
+for its groups (:func:`layer_cache`), for ``KVCacheBuilder.for_model(..., heads=)``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+
+from qfilters_mlx.cache.head_groups import HeadGroupsKVCache
+
+__all__ = ["check_heads", "layer_cache"]
+
+
+def check_heads(heads, config, n_kv_heads: list[int], *, shard=None, shared_kv: bool = False) -> None:
+    """Raise before any cache is built when ``heads`` (a :class:`~qfilters_mlx.config.HeadBudgets`)
+    cannot be built for ``config`` over budgeted layers of ``n_kv_heads`` heads.
+
+    Raises:
+        TypeError: ``heads`` is not a ``HeadBudgets``.
+        ValueError: the tables do not fit the layers or ``n_sink``; ``method="full"``
+            (nothing evicted); the compress-once mode (head groups hold fixed budgets);
+            a tensor-parallel rank (``shard``); layers whose K/V another layer reads
+            (``shared_kv``).
+    """
+    from qfilters_mlx.config import HeadBudgets
+
+    if not isinstance(heads, HeadBudgets):
+        raise TypeError(f"heads must be a HeadBudgets, got {type(heads).__name__}")
+    if not config.scorer.evicts:
+        raise ValueError(f"heads=: method {config.method!r} evicts nothing; head budgets need an "
+                         "evicting method")
+    if config.compress_once:
+        raise ValueError("heads=: head groups hold fixed per-head budgets (the streaming mode); "
+                         "the compress-once mode sets its budget by ratio")
+    if shard is not None:
+        raise ValueError("heads=: head groups are not sliced across tensor-parallel ranks; "
+                         "build them on an unsharded model")
+    if shared_kv:
+        raise ValueError("heads=: this model's layers read another layer's K/V, which head "
+                         "groups do not return as one array")
+    heads.check(len(n_kv_heads), n_kv_heads, config.qfilters_n_sink)
+
+
+def layer_cache(config, groups, layer_idx: int, filters, new_cache):
+    """Budgeted layer ``layer_idx``'s cache for its ``groups``
+    (:meth:`~qfilters_mlx.config.HeadBudgets.groups`): one group, a plain cache at that budget
+    and those windows; several, a :class:`HeadGroupsKVCache` of one cache per group, each with
+    its heads' rows of ``filters`` (``[H_kv, D]`` or ``None``). ``new_cache(config, filters)``
+    builds one cache (with the builder's options)."""
+    def group_config(g):
+        recent = g.recent[0] if len(set(g.recent)) == 1 else g.recent
+        return dataclasses.replace(config, qfilters_budget=g.budget, qfilters_recent=recent)
+
+    if len(groups) == 1:
+        return new_cache(group_config(groups[0]), filters)
+    caches = []
+    for g in groups:
+        f = None if filters is None else filters[mx.array(g.heads, dtype=mx.int32)]
+        caches.append(new_cache(group_config(g), f))
+    return HeadGroupsKVCache((g.heads, c) for g, c in zip(groups, caches))

@@ -1,0 +1,63 @@
+"""What a stored entry of ``qfilters-mlx server`` and the server process hold: journal rows kept
+at rest (:func:`journal_rows`), rows per layer (:func:`stored_rows`), the process's memory
+(:func:`process_memory`) and the line logged after each request (:func:`request_summary`)."""
+
+from __future__ import annotations
+
+__all__ = ["journal_rows", "process_memory", "request_summary", "stored_rows"]
+
+
+def journal_rows(cache) -> int:
+    """Rows of rewind journal a stored eviction cache keeps: its rewind depth
+    (``max_rewind``; 0 when it is ``"auto"``, i.e. no depth was asked for)."""
+    depth = getattr(cache, "max_rewind", 0)
+    return depth if isinstance(depth, int) else 0
+
+
+def stored_rows(caches) -> int:
+    """Rows per layer a stored entry holds: the largest K/V buffer over its layers
+    (allocated rows, live or not), plus the K/V rows its rewind journal keeps."""
+    rows = 0
+    for c in caches:
+        keys = getattr(c, "keys", None)
+        n = 0 if keys is None else (keys[0] if isinstance(keys, tuple) else keys).shape[2]
+        journal = getattr(c, "_journal", None)
+        if journal is not None:
+            n += journal.rows
+        rows = max(rows, n)
+    return rows
+
+
+def process_memory() -> dict:
+    """What the process holds now: MLX's ``active_bytes`` and ``peak_bytes``
+    (``mx.get_active_memory`` / ``get_peak_memory``: arrays alive, on every device) and the
+    resident set ``rss_bytes`` (Linux ``/proc/self/statm``; ``None`` elsewhere)."""
+    import mlx.core as mx
+
+    rss = None
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory(),
+            "rss_bytes": rss}
+
+
+def request_summary(caches, prompt_tokens: int) -> str:
+    """One log line for a finished request: tokens seen and kept; the kept K/V rows' bytes
+    against the K/V bytes a full cache holds for the same tokens (both rows x row bytes);
+    and everything the caches hold (``nbytes``: buffers, scores, filter, rewind journal)."""
+    ours = [c for c in caches if hasattr(c, "tokens_kept")]
+    if not ours:
+        return f"request done: {prompt_tokens} tokens, no eviction caches"
+    kept = max(c.tokens_kept for c in ours)
+    kept_kv = sum(c.kept_kv_bytes for c in ours)
+    full = sum(c.full_seq_bytes for c in ours)
+    held = sum(c.nbytes for c in ours)
+    return (f"request done: {ours[0].tokens_seen} tokens seen, {kept} kept per layer and KV head "
+            f"({len(ours)} layers); K/V of the kept tokens {kept_kv / 1e6:.2f} MB, of all tokens "
+            f"(a full cache) {full / 1e6:.2f} MB; the cache holds {held / 1e6:.2f} MB "
+            f"(buffers, scores, filter, rewind journal)")
