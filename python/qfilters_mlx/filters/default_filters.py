@@ -39,7 +39,7 @@ from pathlib import Path
 
 __all__ = ["CALIBRATION_CHUNK", "CALIBRATION_TOKENS", "FOLDER_FILENAME", "SAMPLED_TOKENS", "ResolvedFilters", "encode_quietly",
            "filters_home",
-           "resolve_filters", "stored_path"]
+           "resolve_filters", "store_atomically", "stored_path"]
 
 CALIBRATION_TOKENS = 2048
 """Tokens of calibration text the default filters are calibrated on (forward passes of
@@ -205,15 +205,15 @@ def _progress(model, total: int, desc: str):
                 disable=rank_of(model)[0] != 0, leave=False)
 
 
-def _store(model, filters, path: Path, **info) -> str | None:
-    """Write ``filters`` atomically to ``path``; the error text if it cannot be written."""
-    from qfilters_mlx.filters.calibration import save_filters
-
+def store_atomically(path: Path, write) -> str | None:
+    """``write(tmp)`` to a temporary file beside ``path``, then move it to ``path`` (the folder
+    is made); the error text if it cannot be written (nothing is left behind then). ``write``
+    may write nothing (a tensor-parallel rank other than 0): ``path`` is then left as it is."""
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_filters(str(tmp), filters, model, **info)
-        if tmp.exists():  # (rank 0 only on a tensor-parallel model)
+        write(str(tmp))
+        if tmp.exists():
             os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # (mx.save_safetensors raises RuntimeError)
         return f"{type(err).__name__}: {err}"
@@ -221,6 +221,13 @@ def _store(model, filters, path: Path, **info) -> str | None:
         if tmp.exists():  # (False, not an error, when the folder could not be made)
             tmp.unlink()
     return None
+
+
+def _store(model, filters, path: Path, **info) -> str | None:
+    """Write ``filters`` atomically to ``path``; the error text if it cannot be written."""
+    from qfilters_mlx.filters.calibration import save_filters
+
+    return store_atomically(path, lambda tmp: save_filters(tmp, filters, model, **info))
 
 
 def _calibrate_now(model, model_id: str, tokenizer, config) -> ResolvedFilters:
