@@ -56,8 +56,8 @@ WORDS = ("pelican", "lantern", "meadow", "violin", "harbor", "walnut", "glacier"
 FORMS = (
     NeedleForm("number", "The secret pass key is {key}. Remember it.", "What is the secret pass key?",
                "The secret pass key is "),
-    NeedleForm("word", "The secret word is {key}. Remember it.", "What is the secret word?",
-               "The secret word is "),
+    NeedleForm("word", 'The secret word is "{key}". Remember it.', "What is the secret word?",
+               'The secret word is "'),
 )
 """The needle forms: a 5-digit number and a word."""
 
