@@ -8,8 +8,9 @@ calibration text from a quarter of its length on), with the budgets of
 :func:`qfilters_mlx.filters.head_budgets.head_budgets` (``m = 4``; the ranking
 :func:`~qfilters_mlx.filters.head_ranking.rank_heads` measures; the default filter, made on first
 use), count the needles whose key is recalled (every key token ranked first) among those the full
-cache recalls, for ``k`` in :data:`KS`; ``k`` is the value one step past the first that keeps at
-least half of them. No evaluation text or prompt is read.
+cache recalls, for ``k`` in :data:`KS` (in order, stopping once the pick is run); ``k`` is the
+value one step past the first that keeps at least half of them. No evaluation text or prompt is
+read.
 
 Usage (resumable)::
 
@@ -25,6 +26,7 @@ import json
 import time
 
 import common
+import mlx.core as mx
 import numpy as np
 
 import bench_held_out_perplexity as g1
@@ -62,7 +64,9 @@ def main() -> None:
         r = rank_heads(model, tokenizer)
         results["ranking"] = {"values": r.ranking.tolist(), "seconds": round(r.seconds, 1)}
     ranking = np.array(results["ranking"]["values"])
-    filters, _ = g1.default_filters(model, tokenizer)
+    if "filters" not in results:  # the default filter, made on first use (kept for a resumed run)
+        results["filters"] = np.array(g1.default_filters(model, tokenizer)[0]).tolist()
+    filters = mx.array(np.array(results["filters"], dtype=np.float32))
     text = calibration_text()[0]
     needles = calibration_needles(tokenizer, text[text.index("\n", len(text) // 4) + 1:])
     cells = results.setdefault("needles", {})
@@ -71,12 +75,12 @@ def main() -> None:
         if "full" not in cell:
             cell["full"] = key_recall(n.prompt, *full_predictions(model, n.prompt.tokens, PREFIX), PREFIX)[0]
             save()
-        if not cell["full"]:
-            continue
-        for b in a.budgets:
-            for k in KS:
-                key = f"k{k}@{b}"
-                if key in cell:
+    full = sum(c["full"] for c in cells.values())
+    for b in a.budgets:
+        for k in KS:  # k by k, so that the sweep stops one step past the cliff
+            for i, n in enumerate(needles):
+                cell, key = cells[str(i)], f"k{k}@{b}"
+                if not cell["full"] or key in cell:
                     continue
                 tic = time.perf_counter()
                 hb = head_budgets(ranking, b, N_SINK, k, MULTIPLE)
@@ -87,17 +91,22 @@ def main() -> None:
                 save()
                 print(f"needle {i} ({n.form} d{n.depth}) {key}: {'R' if cell[key] else '-'} "
                       f"({time.perf_counter() - tic:.1f} s)", flush=True)
-    full = sum(c["full"] for c in cells.values())
+            kept = {str(j): sum(bool(c.get(f"k{j}@{b}")) for c in cells.values() if c["full"])
+                    for j in KS[:KS.index(k) + 1]}
+            if pick(kept, full) is not None and KS.index(k) >= KS.index(pick(kept, full)):
+                break
     summary = {}
     for b in a.budgets:
-        kept = {str(k): sum(bool(c.get(f"k{k}@{b}")) for c in cells.values() if c["full"]) for k in KS}
+        kept = {str(k): sum(bool(c.get(f"k{k}@{b}")) for c in cells.values() if c["full"]) for k in KS
+                if all(f"k{k}@{b}" in c for c in cells.values() if c["full"])}
         summary[str(b)] = {"kept": kept, "pick": pick(kept, full)}
     results["summary"] = {"full_recalled": full, "of": len(cells), "budgets": summary}
     md = ["# Big heads picked on calibration needles (one step past the recall cliff)", "",
           f"The full cache recalls {full} of {len(cells)} held-out calibration needles "
           f"(multiple m = {MULTIPLE}, {N_SINK} sinks, the default filter).", "",
           *common.md_table(["budget"] + [f"k = {k}" for k in KS] + ["pick"],
-                           [[b] + [s["kept"][str(k)] for k in KS] + [s["pick"]] for b, s in summary.items()],
+                           [[b] + [s["kept"].get(str(k), "not run") for k in KS] + [s["pick"]]
+                            for b, s in summary.items()],
                            "r" * (len(KS) + 2)), ""]
     common.write_results(OUT, results, "\n".join(md))
     print("\n".join(md))

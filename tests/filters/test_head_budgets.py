@@ -124,3 +124,15 @@ def test_measuring_needs_a_tokenizer(empty_home):
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         head_store.resolve_head_ranking(gqa_model(5))
     assert not head_store.heads_path(model_identity(gqa_model(5))).exists()
+
+
+def test_a_failed_write_still_gives_the_ranking_says_so_and_leaves_no_file(empty_home, monkeypatch, capsys):
+    def cannot_write(path, *_a, **_k):
+        open(path, "wb").close()  # as a write that fails half-way leaves its file behind
+        raise RuntimeError(f"[save_safetensors] Failed to open file {path}")
+
+    monkeypatch.setattr(head_store, "save_ranking", cannot_write)
+    got = head_store.resolve_head_ranking(gqa_model(6), ByteTokenizer())
+    assert got.ranking.shape == (LAYERS, H_KV) and "not stored" in got.origin
+    assert "not stored (RuntimeError" in capsys.readouterr().err
+    assert not [p for p in empty_home.rglob("*") if p.is_file()]

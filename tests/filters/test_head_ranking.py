@@ -74,8 +74,10 @@ def test_needle_attention_against_numpy(needles):
 def test_ranking_is_the_mean_over_the_calibration_needles(needles):
     model = gqa_model(1)
     r = rank_heads(model, ByteTokenizer())
-    want = np.mean([np_needle_mass(model, n.prompt) for n in needles], axis=0)
-    np.testing.assert_allclose(r.ranking, want, rtol=1e-4, atol=1e-6)
+    each = np.stack([np_needle_mass(model, n.prompt) for n in needles])
+    np.testing.assert_allclose(r.per_needle, each, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(r.ranking, each.mean(axis=0), rtol=1e-4, atol=1e-6)
+    assert r.forms == tuple(n.form for n in needles)
     assert r.ranking.shape == (LAYERS, H_KV) and r.prompts == len(needles) and 0 <= r.recalled <= r.prompts
     assert r.source == calibration_text()[1] and r.seconds > 0
 

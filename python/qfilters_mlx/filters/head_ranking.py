@@ -90,6 +90,8 @@ class HeadRanking:
     Attributes:
         ranking: ``[n_layers, n_kv_heads]`` float64, the mean needle attention (a weight in
             ``[0, 1]`` per query) of each KV head over the calibration needles.
+        per_needle: ``[prompts, n_layers, n_kv_heads]`` float64, each needle's attention.
+        forms: the needle form of each prompt (:attr:`NeedleForm.name`).
         prompts: number of calibration needles.
         recalled: how many of them the full cache answers (every key token ranked first).
         seconds: wall time of the measurement.
@@ -97,6 +99,8 @@ class HeadRanking:
     """
 
     ranking: np.ndarray
+    per_needle: np.ndarray
+    forms: tuple
     prompts: int
     recalled: int
     seconds: float
@@ -205,9 +209,12 @@ def rank_heads(model, tokenizer) -> HeadRanking:
 
     tic = time.perf_counter()
     text, source = calibration_text()
+    needles = calibration_needles(tokenizer, text)
     runs, recalled = [], 0
-    for needle in calibration_needles(tokenizer, text):
+    for needle in needles:
         mass, ok = needle_pass(model, needle.prompt)
         runs.append(mass)
         recalled += ok
-    return HeadRanking(np.mean(runs, axis=0), len(runs), recalled, time.perf_counter() - tic, source)
+    per_needle = np.stack(runs).astype(np.float64)
+    return HeadRanking(per_needle.mean(axis=0), per_needle, tuple(n.form for n in needles), len(runs), recalled,
+                       time.perf_counter() - tic, source)

@@ -140,7 +140,7 @@ def resolve_head_ranking(model, tokenizer=None, model_path=None, path=None) -> R
             there is no tokenizer, the model is tensor-parallel (measure on the whole model), or a
             layer attends with its own mask.
     """
-    from qfilters_mlx.filters.default_filters import _say, _tokenizer, store_atomically
+    from qfilters_mlx.filters.default_filters import model_tokenizer, say, store_atomically
     from qfilters_mlx.identity import model_identity
 
     if path is not None:
@@ -155,7 +155,7 @@ def resolve_head_ranking(model, tokenizer=None, model_path=None, path=None) -> R
     if tensor_group(model) is not None:
         raise ValueError(f"no retrieval-head ranking at {stored}, and it cannot be measured on a "
                          "tensor-parallel model: measure it once on the whole model (same file)")
-    tokenizer = _tokenizer(tokenizer, model_path)
+    tokenizer = model_tokenizer(tokenizer, model_path)
     if tokenizer is None:
         raise ValueError(f"no retrieval-head ranking at {stored}, and measuring one needs the model's "
                          "tokenizer (pass tokenizer= or model_path=)")
@@ -167,7 +167,7 @@ def resolve_head_ranking(model, tokenizer=None, model_path=None, path=None) -> R
     error = store_atomically(stored, lambda tmp: save_ranking(tmp, found.ranking, model, **info))
     where = f"stored in {stored}" if error is None else f"not stored ({error}): measured again next time"
     L, H = found.ranking.shape
-    _say(model, f"qfilters-mlx: measured retrieval heads ({L} layers x {H} KV heads) on {found.prompts} "
+    say(model, f"qfilters-mlx: measured retrieval heads ({L} layers x {H} KV heads) on {found.prompts} "
                 f"calibration needles ({found.recalled} answered by the full cache) in "
                 f"{found.seconds:.1f} s; {where}")
     how = f"measured now in {found.seconds:.1f} s" + ("" if error is None else ", not stored")
