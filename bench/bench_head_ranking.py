@@ -76,11 +76,12 @@ def main() -> None:
     common.add_model_arg(p)
     a = p.parse_args()
     model, tokenizer = common.load_model(a.model)
+    meta = common.run_meta(model=a.model)  # (the load average at start)
     measured, timing = _first_uses(model, tokenizer)
     ranking = measured.ranking
     per_form = {f: measured.per_needle[np.array(measured.forms) == f] for f in dict.fromkeys(measured.forms)}
     top = big_heads(ranking, TOP)
-    out = {"meta": common.run_meta(model=a.model), "timing": timing,
+    out = {"meta": meta, "timing": timing,
            "ranking": np.round(ranking, 6).tolist(),
            "top": [{"layer": l, "head": h, "needle_attention": round(float(ranking[l, h]), 4)} for l, h in top],
            "recalled": f"{measured.recalled}/{measured.prompts}", "overlap": {}}

@@ -52,6 +52,8 @@ def pick(kept: dict, full: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budgets", type=common.int_list, default=[128])
+    p.add_argument("--extra", default="", help="k:m,... more (k, m) points, run after the sweep and "
+                   "reported apart (not part of the rule)")
     common.add_model_arg(p)
     a = p.parse_args()
     model, tokenizer = common.load_model(a.model)
@@ -76,38 +78,62 @@ def main() -> None:
             cell["full"] = key_recall(n.prompt, *full_predictions(model, n.prompt.tokens, PREFIX), PREFIX)[0]
             save()
     full = sum(c["full"] for c in cells.values())
+    def run(b: int, k: int, m: int, key: str) -> None:
+        try:
+            hb = head_budgets(ranking, b, N_SINK, k, m)
+        except ValueError as err:  # (k big heads at m x b do not fit in the one-budget total)
+            results.setdefault("infeasible", {})[key] = str(err)
+            return
+        for i, n in enumerate(needles):
+            cell = cells[str(i)]
+            if not cell["full"] or key in cell:
+                continue
+            tic = time.perf_counter()
+            arm = MaskedArm(g1.config("default", b, model_head_dim(model)), filters=filters,
+                            budgets=hb.budgets, recents=hb.recents)
+            cell[key] = key_recall(n.prompt, *simulated_predictions(model, n.prompt.tokens, arm, PREFIX), PREFIX)[0]
+            save()
+            print(f"needle {i} ({n.form} d{n.depth}) {key}: {'R' if cell[key] else '-'} "
+                  f"({time.perf_counter() - tic:.1f} s)", flush=True)
+
     for b in a.budgets:
         for k in KS:  # k by k, so that the sweep stops one step past the cliff
-            for i, n in enumerate(needles):
-                cell, key = cells[str(i)], f"k{k}@{b}"
-                if not cell["full"] or key in cell:
-                    continue
-                tic = time.perf_counter()
-                hb = head_budgets(ranking, b, N_SINK, k, MULTIPLE)
-                arm = MaskedArm(g1.config("default", b, model_head_dim(model)), filters=filters,
-                                budgets=hb.budgets, recents=hb.recents)
-                cell[key] = key_recall(n.prompt, *simulated_predictions(model, n.prompt.tokens, arm, PREFIX),
-                                       PREFIX)[0]
-                save()
-                print(f"needle {i} ({n.form} d{n.depth}) {key}: {'R' if cell[key] else '-'} "
-                      f"({time.perf_counter() - tic:.1f} s)", flush=True)
+            run(b, k, MULTIPLE, f"k{k}@{b}")
             kept = {str(j): sum(bool(c.get(f"k{j}@{b}")) for c in cells.values() if c["full"])
                     for j in KS[:KS.index(k) + 1]}
             if pick(kept, full) is not None and KS.index(k) >= KS.index(pick(kept, full)):
                 break
-    summary = {}
+        for point in filter(None, a.extra.split(",")):
+            k, m = map(int, point.split(":"))
+            run(b, k, m, f"k{k}m{m}@{b}")
+    summary, bad = {}, results.get("infeasible", {})
     for b in a.budgets:
+        done = lambda key: key not in bad and all(key in c for c in cells.values() if c["full"])  # noqa: E731
         kept = {str(k): sum(bool(c.get(f"k{k}@{b}")) for c in cells.values() if c["full"]) for k in KS
-                if all(f"k{k}@{b}" in c for c in cells.values() if c["full"])}
-        summary[str(b)] = {"kept": kept, "pick": pick(kept, full)}
+                if done(f"k{k}@{b}")}
+        extra = {key.split("@")[0]: sum(bool(c.get(key)) for c in cells.values() if c["full"])
+                 for key in sorted({x for c in cells.values() for x in c if x.startswith("k") and "m" in x
+                                    and x.endswith(f"@{b}")}) if done(key)}
+        p = pick(kept, full)
+        summary[str(b)] = {"kept": kept, "pick": p, "pick_fits": p is not None and f"k{p}@{b}" not in bad,
+                           "extra": extra}
     results["summary"] = {"full_recalled": full, "of": len(cells), "budgets": summary}
+
+    def shown(b, k):
+        key = f"k{k}@{b}"
+        return "does not fit" if key in bad else summary[str(b)]["kept"].get(str(k), "not run")
+
     md = ["# Big heads picked on calibration needles (one step past the recall cliff)", "",
-          f"The full cache recalls {full} of {len(cells)} held-out calibration needles "
-          f"(multiple m = {MULTIPLE}, {N_SINK} sinks, the default filter).", "",
-          *common.md_table(["budget"] + [f"k = {k}" for k in KS] + ["pick"],
-                           [[b] + [s["kept"].get(str(k), "not run") for k in KS] + [s["pick"]]
-                            for b, s in summary.items()],
-                           "r" * (len(KS) + 2)), ""]
+          f"The full cache recalls {full} of {len(cells)} held-out calibration needles; each cell counts "
+          f"those kept (multiple m = {MULTIPLE}, {N_SINK} sinks, the default filter).", "",
+          *common.md_table(["budget"] + [f"k = {k}" for k in KS] + ["rule's pick", "fits"],
+                           [[b] + [shown(b, k) for k in KS] + [s["pick"], "yes" if s["pick_fits"] else "no"]
+                            for b, s in summary.items()], "r" * (len(KS) + 3)), ""]
+    if any(s["extra"] for s in summary.values()):
+        md += ["Other points (outside the rule):", "",
+               *common.md_table(["budget", "k, m", "kept"], [[b, x.replace("m", ", m = ").replace("k", "k = "), v]
+                                                        for b, s in summary.items() for x, v in s["extra"].items()],
+                                "rlr"), ""]
     common.write_results(OUT, results, "\n".join(md))
     print("\n".join(md))
 

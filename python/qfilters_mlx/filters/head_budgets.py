@@ -21,8 +21,10 @@ The rule (:func:`head_budgets`), for a ranking ``[L, H]`` (L budgeted layers, H 
 budget per layer holds). The rule refuses (``ValueError``) a ``k`` or ``m`` that leaves the other
 heads ``b <= S`` tokens.
 
-Defaults :data:`DEFAULT_BIG_HEADS` and :data:`DEFAULT_MULTIPLE` (docs/head-groups.md says how
-they were picked).
+Defaults :data:`DEFAULT_BIG_HEADS` and :data:`DEFAULT_MULTIPLE` are the simulator's
+``heads-needle-4x8q`` arm's, not picked on calibration text: the calibration-only rule of
+docs/head-groups.md ("The constants") gives no value that fits at ``m = 4`` on SmolLM2-135M
+(``bench/results/head_rule.md``).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from qfilters_mlx.config.heads import HeadBudgets
 __all__ = ["DEFAULT_BIG_HEADS", "DEFAULT_MULTIPLE", "big_heads", "head_budgets"]
 
 DEFAULT_BIG_HEADS = 8
-"""Big heads of the whole model (rule step 2)."""
+"""Big heads of the whole model (rule step 2); the simulator's ``heads-needle-4x8q``."""
 
 DEFAULT_MULTIPLE = 4
-"""Budget of a big head as a multiple of the one-budget budget (rule step 3)."""
+"""Budget of a big head as a multiple of the one-budget budget (rule step 3); the simulator's
+``heads-needle-4x8q``."""
 
 
 def _int(name: str, value, low: int) -> int:
