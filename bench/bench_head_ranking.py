@@ -6,7 +6,7 @@
   beside it in the same run, the default filter's first use
   (:func:`qfilters_mlx.filters.default_filters.resolve_filters`: 2,048 tokens), for the ratio;
 * the top heads of the ranking, and the overlap of its top 8 with (a) the top 8 of each needle
-  form alone (pass-key numbers, words) and (b) the simulator's ranking
+  form alone (pass-key numbers, words) and of each span of the calibration text alone, and (b) the simulator's ranking
   (``bench/results/kv_directions.json``, ``rankings.needle``: 6 pass-key prompts of the
   evaluation's source text, offsets 170,000 and 185,000, the big heads of ``heads-needle-4x8q``),
   with Spearman's rank correlation over all heads;
@@ -33,6 +33,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from qfilters_mlx.filters.head_budgets import DEFAULT_BIG_HEADS, DEFAULT_MULTIPLE, big_heads, head_budgets
+from qfilters_mlx.filters.head_ranking import SPANS
 from qfilters_mlx.filters.head_store import resolve_head_ranking
 
 OUT = common.RESULTS / "head_ranking.json"
@@ -85,9 +86,11 @@ def main() -> None:
            "ranking": np.round(ranking, 6).tolist(),
            "top": [{"layer": l, "head": h, "needle_attention": round(float(ranking[l, h]), 4)} for l, h in top],
            "recalled": f"{measured.recalled}/{measured.prompts}", "overlap": {}}
+    half = len(measured.forms) // len(SPANS)  # (the needles come span by span)
+    per_form.update({f"span {s}": measured.per_needle[i * half:(i + 1) * half] for i, s in enumerate(SPANS)})
     for form, runs in per_form.items():
         mine = runs.mean(axis=0)
-        out["overlap"][f"form {form}"] = {"top8_shared": len(set(top) & set(big_heads(mine, TOP))),
+        out["overlap"][form if form.startswith("span") else f"form {form}"] = {"top8_shared": len(set(top) & set(big_heads(mine, TOP))),
                                           "spearman": round(float(spearmanr(ranking.ravel(), mine.ravel())[0]), 3)}
     if a.model == "smollm2-135m" and SIM.is_file():
         sim = json.loads(SIM.read_text())
