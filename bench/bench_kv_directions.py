@@ -53,7 +53,8 @@ from qfilters_mlx.evaluation.perplexity import perplexity
 from qfilters_mlx.evaluation.pooled import equivalent_budget, pooled_ratio_bootstrap
 from qfilters_mlx.evaluation.recall import full_predictions, key_recall, needle_prompt
 from qfilters_mlx.evaluation.retrieval import pass_key
-from qfilters_mlx.evaluation.retrieval_heads import far_mass, needle_attention, split_budgets
+from qfilters_mlx.evaluation.retrieval_heads import far_mass, split_budgets
+from qfilters_mlx.filters.head_ranking import needle_attention
 from qfilters_mlx.evaluation.simulate import MaskedArm, simulated_nll, simulated_predictions
 
 OUT = common.RESULTS / "kv_directions.json"

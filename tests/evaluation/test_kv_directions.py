@@ -11,8 +11,9 @@ from helpers.query_models import tiny_llama
 from qfilters_mlx.config import KVCacheConfig
 from qfilters_mlx.evaluation.kv_scores import components, kv_score, kv_score_arm
 from qfilters_mlx.evaluation.oracle import attention_received
-from qfilters_mlx.evaluation.recall import NeedlePrompt
-from qfilters_mlx.evaluation.retrieval_heads import far_mass, needle_attention, split_budgets
+from qfilters_mlx.filters.needles import NeedlePrompt
+from qfilters_mlx.evaluation.retrieval_heads import far_mass, split_budgets
+from qfilters_mlx.filters.head_ranking import needle_attention
 from qfilters_mlx.evaluation.simulate import MaskedArm, keep_masks, simulated_nll
 from qfilters_mlx.filters.window_capture import keys_and_queries
 

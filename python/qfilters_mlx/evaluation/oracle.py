@@ -10,7 +10,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from qfilters_mlx.evaluation.attention_route import refuse_own_mask, route_attention
+from qfilters_mlx.filters.attention_route import refuse_own_mask, route_attention
 from qfilters_mlx.evaluation.simulate import MaskedArm
 
 __all__ = ["attention_received", "oracle_arm", "oracle_arms"]

@@ -12,47 +12,15 @@ generated: a model that would not start its answer that way under eviction is no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 
 from qfilters_mlx.evaluation.retrieval import retrieval_prompt
+from qfilters_mlx.filters.needles import NeedlePrompt, needle_sequence
 
 __all__ = ["ANSWER_PREFIX", "NeedlePrompt", "full_predictions", "key_recall", "needle_prompt"]
 
 ANSWER_PREFIX = "The secret pass key is "
 """What SmolLM2-135M-Instruct answers before the key with a full cache (checked on these prompts)."""
-
-
-@dataclass(frozen=True)
-class NeedlePrompt:
-    """One teacher-forced recall sequence.
-
-    Attributes:
-        tokens: prompt, answer prefix and key token ids (1-D).
-        prompt_tokens: tokens of the prompt (through the assistant turn's start).
-        key: the pass key (5 digits).
-        key_positions: indices in ``tokens`` of the key's tokens in the answer.
-        needle_position: index in ``tokens`` of the key's first token in the prompt (the needle).
-    """
-
-    tokens: list
-    prompt_tokens: int
-    key: str
-    key_positions: list
-    needle_position: int
-
-    @property
-    def distance(self) -> int:
-        """Tokens from the needle's key to the end of the prompt."""
-        return self.prompt_tokens - self.needle_position
-
-
-def _find(seq: list, sub: list) -> int:
-    for i in range(len(seq) - len(sub) + 1):
-        if seq[i:i + len(sub)] == sub:
-            return i
-    return -1
 
 
 def needle_prompt(tokenizer, text: str, context_tokens: int, depth: float, key: str) -> NeedlePrompt:
@@ -65,16 +33,7 @@ def needle_prompt(tokenizer, text: str, context_tokens: int, depth: float, key: 
             with its neighbours).
     """
     prompt = retrieval_prompt(tokenizer, text, context_tokens, depth, key)
-    answer = tokenizer.encode(ANSWER_PREFIX + key, add_special_tokens=False)
-    n = next((n for n in range(1, len(answer) + 1) if tokenizer.decode(answer[-n:]) == key), None)
-    if n is None:
-        raise ValueError(f"the key {key!r} is no run of whole tokens at the end of the answer {answer}")
-    key_ids = answer[-n:]
-    at = _find(prompt, key_ids)
-    if at < 0:
-        raise ValueError(f"the key's tokens {key_ids} do not occur in the prompt")
-    tokens = prompt + answer
-    return NeedlePrompt(tokens, len(prompt), key, list(range(len(tokens) - n, len(tokens))), at)
+    return needle_sequence(tokenizer, prompt, ANSWER_PREFIX, key)
 
 
 def full_predictions(model, tokens, prefix: int) -> tuple[list[float], list[int]]:

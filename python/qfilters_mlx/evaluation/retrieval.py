@@ -13,10 +13,10 @@ import random
 from typing import Callable
 
 import mlx.core as mx
-import numpy as np
 
 from qfilters_mlx.assets.prompts import INSTRUCTION, QUESTION
 from qfilters_mlx.evaluation.multi_arm import batch_caches
+from qfilters_mlx.filters.needles import needle_body
 from qfilters_mlx.filters.observe import observe_queries
 
 __all__ = ["NEEDLE", "batched_greedy", "greedy_tokens", "pass_key", "retrieval_chat", "retrieval_prompt"]
@@ -50,21 +50,7 @@ def retrieval_chat(tokenizer, text: str, context_tokens: int, depth: float, key:
     Raises:
         ValueError: ``depth`` outside ``[0, 1]`` or ``text`` too short.
     """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    picked, n = [], 0
-    for p in paragraphs:
-        if n >= context_tokens:
-            break
-        picked.append(p)
-        n += len(tokenizer.encode(p, add_special_tokens=False)) + 1
-    if n < context_tokens:
-        raise ValueError(f"text too short for {context_tokens} context tokens")
-    counts = np.cumsum([len(tokenizer.encode(p, add_special_tokens=False)) + 1 for p in picked])
-    cut = int(np.searchsorted(counts, depth * n)) + (0 if depth == 0 else 1)
-    cut = min(cut, len(picked))
-    body = picked[:cut] + [NEEDLE.format(key=key)] + picked[cut:]
+    body = needle_body(tokenizer, text, context_tokens, depth, NEEDLE.format(key=key))
     message = "\n\n".join([INSTRUCTION, *body, f"Question: {QUESTION}"])
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)

@@ -4,8 +4,9 @@ as one budget everywhere.
 
 Two measures per layer and KV head, from full-cache teacher-forced passes:
 
-* :func:`needle_attention`: on a pass-key prompt, the attention the queries that predict the
-  answer's key tokens give the key's tokens in the prompt (the copy a retrieval head does);
+* :func:`~qfilters_mlx.filters.head_ranking.needle_attention`: on a pass-key prompt, the
+  attention the queries that predict the answer's key tokens give the key's tokens in the prompt
+  (the copy a retrieval head does);
 * :func:`far_mass`: on plain text, the attention each query gives keys beyond its recent window,
   sinks left out (:func:`.oracle.attention_received`).
 
@@ -17,55 +18,11 @@ the tokens left over spread one by one over the small heads, so that the budgets
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 
-from qfilters_mlx.evaluation.attention_route import refuse_own_mask, route_attention
 from qfilters_mlx.evaluation.oracle import attention_received
 
-__all__ = ["far_mass", "needle_attention", "split_budgets"]
-
-
-class _Rows:
-    """Stand-in for one layer's cache in a full-cache pass; the routed attention records the
-    weights of the query rows ``rows`` on the key columns ``cols`` (summed, per KV head)."""
-
-    def __init__(self, layer: int, rows: list, cols: list):
-        self.layer, self.rows, self.cols = layer, rows, cols
-        self.offset = 0
-        self.mass = None
-
-    def update_and_fetch(self, keys, values):
-        self.offset = keys.shape[2]
-        return keys, values
-
-
-def _rows_sdpa(queries, keys, values, cache, scale, mask, sinks):
-    refuse_own_mask(cache.layer, mask)
-    _, H_q, T, _ = queries.shape
-    H = keys.shape[1]
-    q = queries[0].astype(mx.float32)[:, mx.array(cache.rows)]  # [H_q, R, D]
-    logits = (q * scale) @ mx.repeat(keys[0].astype(mx.float32), H_q // H, axis=0).swapaxes(-1, -2)
-    causal = mx.arange(T)[None, :] <= mx.array(cache.rows)[:, None]  # [R, T]
-    probs = mx.softmax(mx.where(causal, logits, -mx.inf), axis=-1, precise=True)
-    per_q = probs[:, :, mx.array(cache.cols)].sum(axis=(1, 2))  # [H_q]
-    cache.mass = np.array(per_q.reshape(H, H_q // H).mean(axis=1)) / len(cache.rows)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal", sinks=sinks)
-
-
-def needle_attention(model, prompt) -> np.ndarray:
-    """``[n_layers, H_kv]``: the attention weight the queries predicting ``prompt``'s answer key
-    tokens (a :class:`~qfilters_mlx.evaluation.recall.NeedlePrompt`) give the key's tokens in the
-    prompt, per query (mean over those queries and the query heads of each KV head)."""
-    n = len(prompt.key_positions)
-    rows = [p - 1 for p in prompt.key_positions]
-    cols = list(range(prompt.needle_position, prompt.needle_position + n))
-    caches = [_Rows(i, rows, cols) for i in range(len(model.layers))]
-    with route_attention(_Rows, _rows_sdpa):
-        mx.eval(model(mx.array(prompt.tokens[:-1])[None], cache=caches))
-    if any(c.mass is None for c in caches):
-        raise RuntimeError("needle_attention: some layer's attention did not go through the routed path")
-    return np.stack([c.mass for c in caches])
+__all__ = ["far_mass", "split_budgets"]
 
 
 def far_mass(model, tokens, window: int, n_sink: int) -> np.ndarray:

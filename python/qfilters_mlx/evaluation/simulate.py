@@ -30,7 +30,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from qfilters_mlx.evaluation.attention_route import refuse_own_mask, route_attention
+from qfilters_mlx.filters.attention_route import refuse_own_mask, route_attention
 
 __all__ = ["MaskedArm", "keep_masks", "simulated_nll", "simulated_pass", "simulated_predictions"]
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 __all__ = ["CALIBRATION_CHUNK", "CALIBRATION_TOKENS", "FOLDER_FILENAME", "SAMPLED_TOKENS", "ResolvedFilters", "encode_quietly",
            "filters_home",
-           "resolve_filters", "stored_path"]
+           "model_tokenizer", "resolve_filters", "say", "store_atomically", "stored_path"]
 
 CALIBRATION_TOKENS = 2048
 """Tokens of calibration text the default filters are calibrated on (forward passes of
@@ -94,7 +94,8 @@ def stored_path(model_id: str) -> Path:
     return filters_home() / f"{model_id}.safetensors"
 
 
-def _say(model, text: str) -> None:
+def say(model, text: str) -> None:
+    """Print ``text`` as one line on stderr (rank 0 of a tensor-parallel model only)."""
     from qfilters_mlx.sharding import rank_of
 
     if rank_of(model)[0] == 0:
@@ -142,7 +143,8 @@ def _every_rank(model, flag: bool) -> bool:
     return int(total.item()) == group.size()
 
 
-def _tokenizer(tokenizer, model_path):
+def model_tokenizer(tokenizer, model_path):
+    """``tokenizer``, else the tokenizer of the model folder ``model_path`` (when it is one), else ``None``."""
     if tokenizer is not None or model_path is None or not Path(model_path).is_dir():
         return tokenizer
     from mlx_lm.utils import load_tokenizer
@@ -205,15 +207,15 @@ def _progress(model, total: int, desc: str):
                 disable=rank_of(model)[0] != 0, leave=False)
 
 
-def _store(model, filters, path: Path, **info) -> str | None:
-    """Write ``filters`` atomically to ``path``; the error text if it cannot be written."""
-    from qfilters_mlx.filters.calibration import save_filters
-
+def store_atomically(path: Path, write) -> str | None:
+    """``write(tmp)`` to a temporary file beside ``path``, then move it to ``path`` (the folder
+    is made); the error text if it cannot be written (nothing is left behind then). ``write``
+    may write nothing (a tensor-parallel rank other than 0): ``path`` is then left as it is."""
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_filters(str(tmp), filters, model, **info)
-        if tmp.exists():  # (rank 0 only on a tensor-parallel model)
+        write(str(tmp))
+        if tmp.exists():
             os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # (mx.save_safetensors raises RuntimeError)
         return f"{type(err).__name__}: {err}"
@@ -221,6 +223,13 @@ def _store(model, filters, path: Path, **info) -> str | None:
         if tmp.exists():  # (False, not an error, when the folder could not be made)
             tmp.unlink()
     return None
+
+
+def _store(model, filters, path: Path, **info) -> str | None:
+    """Write ``filters`` atomically to ``path``; the error text if it cannot be written."""
+    from qfilters_mlx.filters.calibration import save_filters
+
+    return store_atomically(path, lambda tmp: save_filters(tmp, filters, model, **info))
 
 
 def _calibrate_now(model, model_id: str, tokenizer, config) -> ResolvedFilters:
@@ -242,7 +251,7 @@ def _calibrate_now(model, model_id: str, tokenizer, config) -> ResolvedFilters:
         origin = (f"online key-SVD filter, sign {fallback.qfilters_sign:+d} (no query-derived filter: "
                   f"this model's queries cannot be captured: {err}; `qfilters-mlx calibrate` makes "
                   "one where they can)")
-        _say(model, f"qfilters-mlx: {origin}")
+        say(model, f"qfilters-mlx: {origin}")
         return ResolvedFilters(None, fallback, origin)
     path = stored_path(model_id)
     error = _store(model, filters, path, calibration_text=source, calibration_tokens=len(ids),
@@ -250,7 +259,7 @@ def _calibrate_now(model, model_id: str, tokenizer, config) -> ResolvedFilters:
     seconds = time.perf_counter() - tic
     n_layers, n_kv, hd = filters.shape
     where = f"stored in {path}" if error is None else f"not stored ({error}): made again next time"
-    _say(model, f"qfilters-mlx: calibrated Q-Filters ({n_layers} layers x {n_kv} KV heads x {hd}) "
+    say(model, f"qfilters-mlx: calibrated Q-Filters ({n_layers} layers x {n_kv} KV heads x {hd}) "
                 f"from {len(ids)} tokens of {source} in {seconds:.1f} s; {where}")
     how = f"calibrated now in {seconds:.1f} s" + ("" if error is None else ", not stored")
     return ResolvedFilters(filters, None, _describe_file(
@@ -312,5 +321,5 @@ def resolve_filters(model, config, tokenizer=None, model_path=None) -> ResolvedF
     found = _found(model, model_id, model_path, text_possible)
     if found is not None:
         return replace(found, config=config)
-    resolved = _calibrate_now(model, model_id, _tokenizer(tokenizer, model_path), config)
+    resolved = _calibrate_now(model, model_id, model_tokenizer(tokenizer, model_path), config)
     return resolved if resolved.config is not None else replace(resolved, config=config)

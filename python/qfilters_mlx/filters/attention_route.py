@@ -1,6 +1,8 @@
-"""Routing mlx-lm's attention of chosen layers through a function of ours, for the one-pass
-simulations (:mod:`.simulate`, :mod:`.oracle`): every loaded ``mlx_lm.models`` module that
-imported ``scaled_dot_product_attention`` gets a wrapper for the duration, undone on exit."""
+"""Routing mlx-lm's attention of chosen layers through a function of ours, for one-pass
+measurements (the retrieval-head ranking, :mod:`qfilters_mlx.filters.head_ranking`) and the
+simulator (:mod:`qfilters_mlx.evaluation.simulate`, :mod:`qfilters_mlx.evaluation.oracle`):
+every loaded ``mlx_lm.models`` module that imported ``scaled_dot_product_attention`` gets a
+wrapper for the duration, undone on exit."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ def refuse_own_mask(layer: int, mask) -> None:
     """Raise ``ValueError`` when ``layer`` attends with a mask other than the causal one."""
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         # (a sliding-window or padded layer: its own mask would be replaced silently)
-        raise ValueError(f"simulated_nll: layer {layer} attends with its own mask (a "
-                         "sliding window?): only causal full-attention layers are simulated")
+        raise ValueError(f"layer {layer} attends with its own mask (a sliding window?): only "
+                         "causal full-attention layers are simulated or measured")
 
 
 @contextmanager

@@ -1,0 +1,130 @@
+"""Finding a model's retrieval heads once: how long it takes, which heads, how stable.
+
+* ``resolve``: :func:`qfilters_mlx.filters.head_store.resolve_head_ranking` in a fresh user
+  cache, as ``KVCacheBuilder.for_model`` would call it on first use (model identity, 12
+  full-cache passes over the calibration needles, the file written), then again (the file found);
+  beside it in the same run, the default filter's first use
+  (:func:`qfilters_mlx.filters.default_filters.resolve_filters`: 2,048 tokens), for the ratio;
+* the top heads of the ranking, and the overlap of its top 8 with (a) the top 8 of each needle
+  form alone (pass-key numbers, words) and of each span of the calibration text alone, and (b) the simulator's ranking
+  (``bench/results/kv_directions.json``, ``rankings.needle``: 6 pass-key prompts of the
+  evaluation's source text, offsets 170,000 and 185,000, the big heads of ``heads-needle-4x8q``),
+  with Spearman's rank correlation over all heads;
+* the budgets :func:`qfilters_mlx.filters.head_budgets.head_budgets` gives at budgets 128 and 256
+  with the default constants.
+
+Usage::
+
+    python bench/bench_head_ranking.py [--model smollm2-135m]
+
+Writes ``bench/results/head_ranking.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import common
+import numpy as np
+from scipy.stats import spearmanr
+
+from qfilters_mlx.filters.head_budgets import DEFAULT_BIG_HEADS, DEFAULT_MULTIPLE, big_heads, head_budgets
+from qfilters_mlx.filters.head_ranking import SPANS
+from qfilters_mlx.filters.head_store import resolve_head_ranking
+
+OUT = common.RESULTS / "head_ranking.json"
+SIM = common.RESULTS / "kv_directions.json"
+N_SINK, TOP = 4, 8
+
+
+def _first_uses(model, tokenizer) -> tuple[object, dict]:
+    from qfilters_mlx.config import KVCacheConfig
+    from qfilters_mlx.filters.default_filters import resolve_filters
+    from qfilters_mlx.filters.head_ranking import rank_heads
+
+    with tempfile.TemporaryDirectory() as home:
+        before = os.environ.get("QFILTERS_MLX_HOME")
+        os.environ["QFILTERS_MLX_HOME"] = home
+        try:
+            tic = time.perf_counter()
+            resolve_filters(model, KVCacheConfig(), tokenizer=tokenizer)
+            t_filter = time.perf_counter() - tic
+            tic = time.perf_counter()
+            first = resolve_head_ranking(model, tokenizer)
+            t_first = time.perf_counter() - tic
+            tic = time.perf_counter()
+            again = resolve_head_ranking(model)
+            t_again = time.perf_counter() - tic
+        finally:
+            if before is None:
+                del os.environ["QFILTERS_MLX_HOME"]
+            else:
+                os.environ["QFILTERS_MLX_HOME"] = before
+    assert np.array_equal(first.ranking, again.ranking)
+    measured = rank_heads(model, tokenizer)  # the same passes again, for the ranking of each needle
+    assert np.allclose(measured.ranking, first.ranking, atol=1e-6)
+    return measured, {"first_use_s": round(t_first, 2), "found_s": round(t_again, 3),
+                      "filter_first_use_s": round(t_filter, 2), "ratio_to_filter": round(t_first / t_filter, 2),
+                      "loadavg_end": os.getloadavg(), "origin": first.origin.replace(home, "$QFILTERS_MLX_HOME")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_model_arg(p)
+    a = p.parse_args()
+    model, tokenizer = common.load_model(a.model)
+    meta = common.run_meta(model=a.model)  # (the load average at start)
+    measured, timing = _first_uses(model, tokenizer)
+    ranking = measured.ranking
+    per_form = {f: measured.per_needle[np.array(measured.forms) == f] for f in dict.fromkeys(measured.forms)}
+    top = big_heads(ranking, TOP)
+    out = {"meta": meta, "timing": timing,
+           "ranking": np.round(ranking, 6).tolist(),
+           "top": [{"layer": l, "head": h, "needle_attention": round(float(ranking[l, h]), 4)} for l, h in top],
+           "recalled": f"{measured.recalled}/{measured.prompts}", "overlap": {}}
+    half = len(measured.forms) // len(SPANS)  # (the needles come span by span)
+    per_form.update({f"span {s}": measured.per_needle[i * half:(i + 1) * half] for i, s in enumerate(SPANS)})
+    for form, runs in per_form.items():
+        mine = runs.mean(axis=0)
+        out["overlap"][form if form.startswith("span") else f"form {form}"] = {"top8_shared": len(set(top) & set(big_heads(mine, TOP))),
+                                          "spearman": round(float(spearmanr(ranking.ravel(), mine.ravel())[0]), 3)}
+    if a.model == "smollm2-135m" and SIM.is_file():
+        sim = json.loads(SIM.read_text())
+        sim_rank = np.array(sim["rankings"]["needle"]["values"])
+        sim_top = [tuple(x) for x in sim["heads"]["heads-needle-4x8q@128"]["big"]]
+        out["overlap"]["simulator heads-needle-4x8q"] = {
+            "top8_shared": len(set(top) & set(sim_top)), "simulator_top8": sim_top,
+            "spearman": round(float(spearmanr(ranking.ravel(), sim_rank.ravel())[0]), 3)}
+    out["budgets"] = {}
+    for budget in (128, 256):
+        hb = head_budgets(ranking, budget, N_SINK)
+        b = np.array(hb.budgets)
+        out["budgets"][str(budget)] = {"big": int(b.max()), "small": int(b.min()), "recent": hb.recents[0][0],
+                                       "total": hb.total_tokens, "one_budget_total": int(b.size * budget),
+                                       "layers_with_two_groups": sum(len(hb.groups(i)) == 2 for i in range(hb.n_layers))}
+    md = [f"# Retrieval heads of {a.model}, found once", "",
+          f"First use (identity, 12 calibration needles, file written): **{timing['first_use_s']} s**, "
+          f"{timing['ratio_to_filter']} times the default filter's first use in the same run "
+          f"({timing['filter_first_use_s']} s, 2,048 tokens); found again: {timing['found_s']} s. "
+          f"Load average {', '.join(f'{x:.1f}' for x in out['meta']['loadavg_start'])} at start, "
+          f"{', '.join(f'{x:.1f}' for x in timing['loadavg_end'])} at the end (2 cores, shared). "
+          f"The full cache answers {out['recalled']} of the needles.", "",
+          *common.md_table(["rank", "layer", "KV head", "needle attention"],
+                           [[i + 1, t["layer"], t["head"], t["needle_attention"]] for i, t in enumerate(out["top"])],
+                           "rrrr"), "",
+          *common.md_table(["compared with", f"top {TOP} shared", "Spearman (all heads)"],
+                           [[k, v["top8_shared"], v["spearman"]] for k, v in out["overlap"].items()], "lrr"), "",
+          f"Budgets by the rule (k = {DEFAULT_BIG_HEADS}, m = {DEFAULT_MULTIPLE}, {N_SINK} sinks):", "",
+          *common.md_table(["budget", "big", "others", "recent (all)", "tokens held", "one budget", "layers with 2 groups"],
+                           [[k, v["big"], v["small"], v["recent"], v["total"], v["one_budget_total"],
+                             v["layers_with_two_groups"]] for k, v in out["budgets"].items()], "rrrrrrr"), ""]
+    print("\n".join(md))
+    common.write_results(OUT, out, "\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
