@@ -14,8 +14,8 @@ Arms, each at budget ``prompt tokens / ratio`` (rounded down to a multiple of 8)
 * ``streaming_llm``: mlx-lm's ``RotatingKVCache(max_size=B, keep=4)`` per layer, built by hand
   (``--max-kv-size`` does nothing for models whose class defines ``make_cache``);
 * ``default``: ``KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=B))``;
-* ``heads``: the same with ``heads=`` the head budgets found for the model
-  (:func:`qfilters_mlx.filters.head_budgets.resolve_head_budgets`), when that module exists.
+* ``heads``: the same with ``heads="calibrated"``: the model's retrieval heads (ranked once on
+  calibration needles) at 4x the budget, the other heads at the rest (docs/head-groups.md).
 
 mlx-lm's ``generate_step`` prefills the prompt but its last token in one call (prompts under
 2,048 tokens), evicts, then answers from what was kept. The distance back to the needle (tokens
@@ -96,10 +96,7 @@ def caches_for(arm, model, tokenizer, budget):
     cfg = KVCacheConfig(qfilters_budget=budget)
     if arm == "default":
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
-    from qfilters_mlx.filters.head_budgets import resolve_head_budgets
-
-    heads = resolve_head_budgets(model, cfg, tokenizer=tokenizer)
-    return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer, heads=heads)
+    return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer, heads="calibrated")
 
 
 def answer(model, tokenizer, ids, caches, max_tokens) -> str:

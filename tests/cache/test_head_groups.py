@@ -25,7 +25,7 @@ from qfilters_mlx.cache.head_group_build import check_heads
 from qfilters_mlx.cache.head_groups import GroupedKV
 from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
 from qfilters_mlx.config import CompressOnce
-from qfilters_mlx.evaluation.attention_route import route_attention
+from qfilters_mlx.filters.attention_route import route_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, KV, HEADS, D = 2, 3, 9, 16
@@ -374,3 +374,34 @@ def test_copies_are_independent_and_continue_alike():
     assert twin[0].offset == PROMPT + 4  # the copy did not move
     b = [model(toks[:, t:t + 1], cache=twin)[:, -1] for t in range(PROMPT + 4, PROMPT + 12)]
     assert mx.array_equal(mx.stack(a), mx.stack(b)).item()
+
+
+def test_calibrated_heads_come_from_the_stored_ranking_by_the_rule(tmp_path, monkeypatch):
+    """``heads="calibrated"``: the ranking stored for the model's identity, turned into budgets at
+    the configuration's budget by the written rule (its 8 top heads at 4x, the rest the floor
+    of what is left); another string is refused."""
+    from qfilters_mlx.filters.head_budgets import head_budgets
+    from qfilters_mlx.filters.head_store import heads_path, save_ranking
+    from qfilters_mlx.identity import model_identity
+
+    monkeypatch.setenv("QFILTERS_MLX_HOME", str(tmp_path))
+    model = tiny_llama(layers=30, kv=KV, heads=HEADS)
+    ranking = np.random.default_rng(0).random((30, KV)).astype(np.float32)
+    path = heads_path(model_identity(model))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_ranking(str(path), ranking, model)
+    mx.random.seed(3)
+    cfg = _config(qfilters_filters=mx.random.normal((30, KV, D)))
+    caches = KVCacheBuilder.for_model(model, cfg, heads="calibrated")
+    want = head_budgets(ranking, 16, N_SINK)
+    top = {divmod(int(i), KV) for i in np.argsort(-ranking, axis=None)[:8]}
+    for layer, c in enumerate(caches):
+        groups = c.caches if isinstance(c, HeadGroupsKVCache) else [c]
+        heads = c.heads if isinstance(c, HeadGroupsKVCache) else [tuple(range(KV))]
+        for hs, g in zip(heads, groups):
+            for h in hs:
+                assert g.config.qfilters_budget == want.budgets[layer][h]
+                assert (g.config.qfilters_budget == 64) == ((layer, h) in top)
+    assert sum(isinstance(c, HeadGroupsKVCache) for c in caches) == len({lh[0] for lh in top})
+    with pytest.raises(ValueError, match="calibrated"):
+        KVCacheBuilder.for_model(model, cfg, heads="retrieval")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
-from qfilters_mlx.cache.head_group_build import check_heads, layer_cache
+from qfilters_mlx.cache.head_group_build import check_heads, layer_cache, resolve_heads
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
 from qfilters_mlx.config import (BuildOptions, KVCacheConfig, merge_options, per_layer_table,
                                  with_stored_windows)
@@ -217,8 +217,11 @@ class KVCacheBuilder:
         ``i`` gets ``filters[i]`` and evicts from its first call.
 
         Head groups: ``heads`` (a :class:`qfilters_mlx.config.HeadBudgets`: a budget and
-        recent window per budgeted layer and KV head) replaces the configuration's budget and
-        windows per head; a layer whose heads differ in budget gets a
+        recent window per budgeted layer and KV head, or ``"calibrated"``: the model's
+        retrieval heads, ranked once on calibration needles and stored beside its filter,
+        :func:`qfilters_mlx.filters.head_store.resolve_head_ranking`, turned into budgets at
+        ``config.qfilters_budget`` by :func:`qfilters_mlx.filters.head_budgets.head_budgets`;
+        docs/head-groups.md) replaces the configuration's budget and windows per head; a layer whose heads differ in budget gets a
         :class:`~qfilters_mlx.cache.head_groups.HeadGroupsKVCache` (one cache per budget,
         each stored at its own size), a layer of one budget a plain cache at it. Streaming
         mode only; not on a tensor-parallel rank, for layers whose K/V another layer reads,
@@ -259,6 +262,7 @@ class KVCacheBuilder:
         shared_kv = _trial_forward(model, budgeted)
         shard = shard_info(model, {s.n_kv_heads for s in budgeted})
         if heads is not None:
+            heads = resolve_heads(heads, model, config, tokenizer, model_path)
             check_heads(heads, config, [s.n_kv_heads for s in budgeted], shard=shard,
                         shared_kv=bool(shared_kv))
         filters, config, origin = _layer_filters(model, config, tokenizer, model_path)

@@ -10,7 +10,33 @@ import mlx.core as mx
 
 from qfilters_mlx.cache.head_groups import HeadGroupsKVCache
 
-__all__ = ["check_heads", "layer_cache"]
+__all__ = ["CALIBRATED", "check_heads", "layer_cache", "resolve_heads"]
+
+CALIBRATED = "calibrated"
+"""``heads="calibrated"``: the model's retrieval heads found (or measured once and stored) and
+turned into budgets by the written rule (docs/head-groups.md)."""
+
+
+def resolve_heads(heads, model, config, tokenizer=None, model_path=None):
+    """``heads`` as a :class:`~qfilters_mlx.config.HeadBudgets`: as given, or for
+    ``"calibrated"`` the rule :func:`~qfilters_mlx.filters.head_budgets.head_budgets` at
+    ``config.qfilters_budget`` and ``qfilters_n_sink`` over the model's ranking
+    (:func:`~qfilters_mlx.filters.head_store.resolve_head_ranking`: stored file, else measured
+    once now and stored, one line on stderr).
+
+    Raises:
+        ValueError: another string; what the ranking and the rule raise (a ranking of another
+            model, no tokenizer to measure with, a budget the rule cannot split).
+    """
+    if not isinstance(heads, str):
+        return heads
+    if heads != CALIBRATED:
+        raise ValueError(f"heads must be a HeadBudgets or {CALIBRATED!r}, got {heads!r}")
+    from qfilters_mlx.filters.head_budgets import head_budgets
+    from qfilters_mlx.filters.head_store import resolve_head_ranking
+
+    ranking = resolve_head_ranking(model, tokenizer, model_path).ranking
+    return head_budgets(ranking, config.qfilters_budget, config.qfilters_n_sink)
 
 
 def check_heads(heads, config, n_kv_heads: list[int], *, shard=None, shared_kv: bool = False) -> None:
