@@ -78,8 +78,11 @@ def make_prompt(tokenizer, text, offset, context, depth, form):
              + "\n\n" + question}]
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]
-    needle = tokenizer.encode(value, add_special_tokens=False)
-    at = next((i for i in range(len(ids) - len(needle), -1, -1) if ids[i:i + len(needle)] == needle), -1)
+    at = -1
+    for spelled in (value, " " + value, '"' + value):  # (a word is one token with its space)
+        needle = tokenizer.encode(spelled, add_special_tokens=False)
+        at = max(at, next((i for i in range(len(ids) - len(needle), -1, -1)
+                           if ids[i:i + len(needle)] == needle), -1))
     return {"ids": ids, "value": value, "form": form, "depth": depth, "offset": offset,
             "distance": len(ids) - at if at >= 0 else None}
 
@@ -115,6 +118,7 @@ def main() -> None:
     p.add_argument("--arms", default="streaming_llm,default,heads")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--out", type=Path, default=common.RESULTS / "recall_generate.json")
+    p.add_argument("--report", action="store_true", help="only rewrite the table (and distances)")
     a = p.parse_args()
     from mlx_lm.utils import load
 
@@ -128,6 +132,12 @@ def main() -> None:
     res.setdefault("runs", []).append({"meta": common.run_meta(), "args": {k: str(v) for k, v in vars(a).items()}})
     text = source_text()
     arms = a.arms.split(",")
+    if a.report:
+        for name, row in res["prompts"].items():
+            form, offset, context, depth = name.split("/")
+            row["distance"] = make_prompt(tokenizer, text, int(offset), int(context), float(depth), form)["distance"]
+        res["runs"].pop()
+        a.offsets = []
     for offset in a.offsets:
         for context in a.contexts:
             for depth in a.depths:
@@ -157,6 +167,7 @@ def main() -> None:
                                                 "ok": pr["value"].lower() in out.lower()}
                             print(f"{name} {key} (B={budget}): {row['arms'][key]['ok']}", flush=True)
                     a.out.write_text(json.dumps(res, indent=1))
+    a.out.write_text(json.dumps(res, indent=1))
     md = markdown(res)
     a.out.with_suffix(".md").write_text(md)
     print(md)
