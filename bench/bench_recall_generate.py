@@ -15,7 +15,10 @@ Arms, each at budget ``prompt tokens / ratio`` (rounded down to a multiple of 8)
   (``--max-kv-size`` does nothing for models whose class defines ``make_cache``);
 * ``default``: ``KVCacheBuilder.for_model(model, KVCacheConfig(qfilters_budget=B))``;
 * ``heads``: the same with ``heads="calibrated"``: the model's retrieval heads (ranked once on
-  calibration needles) at 4x the budget, the other heads at the rest (docs/head-groups.md).
+  calibration needles) at 4x the budget, the other heads at the rest (docs/head-groups.md); the
+  big heads keep the other heads' recent window and the rest by the filter's score;
+* ``heads_window``: the same budgets, the big heads keeping a recent window of their whole budget
+  (sinks and ``budget - n_sink - 1`` recent: a bigger window instead of the score).
 
 mlx-lm's ``generate_step`` prefills the prompt but its last token in one call (prompts under
 2,048 tokens), evicts, then answers from what was kept. The distance back to the needle (tokens
@@ -99,7 +102,17 @@ def caches_for(arm, model, tokenizer, budget):
     cfg = KVCacheConfig(qfilters_budget=budget)
     if arm == "default":
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
-    return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer, heads="calibrated")
+    if arm == "heads":
+        return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer, heads="calibrated")
+    from qfilters_mlx import HeadBudgets
+    from qfilters_mlx.filters.head_budgets import head_budgets
+    from qfilters_mlx.filters.head_store import resolve_head_ranking
+
+    rule = head_budgets(resolve_head_ranking(model, tokenizer).ranking, budget, cfg.qfilters_n_sink)
+    small = min(min(row) for row in rule.budgets)
+    windows = [[b - cfg.qfilters_n_sink - 1 if b > small else r for b, r in zip(bs, rs)]
+               for bs, rs in zip(rule.budgets, rule.recents)]  # heads_window: big heads keep a window
+    return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer, heads=HeadBudgets(rule.budgets, windows))
 
 
 def answer(model, tokenizer, ids, caches, max_tokens) -> str:

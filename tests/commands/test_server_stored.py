@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 from helpers.batch_helpers import config, tiny_llama
 from qfilters_mlx.cache.builder import KVCacheBuilder
 from qfilters_mlx.cache.journal import record_rows
-from qfilters_mlx.commands.server_cache import drops_prefix, prompt_cache_class
+from qfilters_mlx.commands.server_cache import prompt_cache_class
+from qfilters_mlx.commands.server_calls import drops_prefix
 from qfilters_mlx.commands.server_memory import stored_rows
 from qfilters_mlx.commands.server_calls import PREFILL, prefill_segments
 
@@ -566,3 +567,33 @@ def test_an_answer_the_conversation_moved_past_is_dropped_a_branch_stays(answer)
     _serve(store, model, cfg, turn + _tokens(12, 3), answer, turn=len(turn))
     _serve(store, model, cfg, turn + _tokens(12, 4), answer, turn=len(turn))
     assert store.stored_stats()["conversations"] == 2
+
+
+def test_a_second_branch_stands_in_for_the_first_and_serves_its_continuation_from_the_turn():
+    """Two follow-ups of one turn: the second's answer keeps the journal rows back to the turn's
+    end (fewer than the first's answer holds) and the first's answer goes (one answer per
+    conversation); a continuation of the first branch is served from the turn's end, with the
+    cold run's cache; a third follow-up reuses the turn and the header, as mlx-lm would."""
+    model = tiny_llama()
+    cfg = config()
+    store = _store()
+    fresh = lambda: _build(model, cfg, rewind=64)  # noqa: E731 (the server's journal depth)
+    prompt = _tokens(6, 0) + _tokens(40, 1)
+    _, out = _serve(store, model, cfg, prompt, 4, sys_end=6, fresh=fresh)
+    turn = prompt + out
+    a = turn + [50, 51] + _tokens(6, 5)
+    _, out_a = _serve(store, model, cfg, a, 4, sys_end=6, fresh=fresh, turn=len(turn) + 2)
+    b = turn + [50, 51] + _tokens(6, 6)
+    reused, out_b = _serve(store, model, cfg, b, 4, sys_end=6, fresh=fresh, turn=len(turn) + 2)
+    assert reused == len(turn) + 2
+    keys = [t for lru in store._lru._lrus.values() for _, t in lru]
+    assert a + out_a not in keys and b + out_b in keys
+    assert store.stored_stats()["conversations"] == 1
+    more = a + out_a + [50, 51] + _tokens(5, 7)
+    cache, rest = store.fetch_nearest_cache("m", more)
+    assert len(more) - len(rest) == len(turn)
+    _same(cache, _run(model, cfg, [prompt[:6], prompt[6:-1]], decode=[prompt[-1], *out], rewind=64))
+    c = turn + [50, 51] + _tokens(6, 8)
+    store.expect_calls(c, [6, len(turn) + 2, len(c) - 1])  # (the server announces the calls)
+    cache, rest = store.fetch_nearest_cache("m", c)
+    assert len(c) - len(rest) == len(turn) + 2

@@ -14,7 +14,7 @@ to the shared prefix). Here, for eviction caches:
   own (a copy that is a view of a batch's or a prefill chunk's larger buffer would keep
   that buffer alive). The bytes counted (``nbytes``) are then the bytes the process holds.
 * **which entries are kept** (per conversation at most a prompt checkpoint and its answer,
-  whatever the prompt length; :func:`drops_prefix`): a new entry drops every stored entry
+  whatever the prompt length; :func:`~.server_calls.drops_prefix`): a new entry drops every stored entry
   it extends, except a ``"system"`` checkpoint (shared by conversations with the same
   system prompt) and, for an answer, the checkpoint of its own prompt while the answer
   cannot rewind back to it. A follow-up turn extends the stored answer; a regenerated
@@ -53,11 +53,12 @@ import logging
 import math
 from collections import OrderedDict
 
-from qfilters_mlx.commands.server_calls import PREFILL, rewind_reach, rewind_target, rows_back_to
+from qfilters_mlx.commands.server_calls import (PREFILL, drops_prefix, rewind_reach, rewind_target,
+                                                rows_back_to)
 from qfilters_mlx.commands.server_memory import journal_rows, process_memory, request_summary, stored_rows
 from qfilters_mlx.commands.server_trie import key_nbytes
 
-__all__ = ["CHECKPOINT_TYPES", "drops_prefix", "prompt_cache_class"]
+__all__ = ["CHECKPOINT_TYPES", "prompt_cache_class"]
 
 CHECKPOINT_TYPES = ("user", "system")
 """mlx-lm's cache types of prompt checkpoints."""
@@ -68,28 +69,12 @@ ends the segment where the rendering with an empty user message departs from the
 first user token can merge with the template's newline), left out when a second request is
 asked whether it repeats a system prompt."""
 
+BRANCH_SCAN = 512
+"""Tokens before the point where two branches part searched for the turn end they share."""
+
 TURN_ENDS_KEPT = 4096
 """Stored entries remembered as turn ends (token count and hash of their tokens: where a
 request stopped and a later one may have continued), newest kept."""
-
-
-def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: int,
-                 own_prompt: bool = False) -> bool:
-    """Whether storing an entry (``new_length`` tokens, rewinding ``new_reach``) drops a stored
-    entry that is a prefix of it (``old_type``, ``old_length < new_length`` tokens).
-
-    Never a ``"system"`` checkpoint (other conversations start with it; the count and byte
-    bounds limit them). Otherwise always when the new entry can rewind back to the old one's
-    end (it serves the same prompts); else only when the old one is not ``own_prompt``: the
-    checkpoint of the prompt a new answer continues (the longest stored prefix of an answer
-    that is not a system prompt), which a regenerated answer reuses. An older turn of the same
-    conversation, or a checkpoint a new prompt extends, is dropped.
-    """
-    if old_type == "system":
-        return False
-    if new_length - new_reach <= old_length:
-        return True
-    return not own_prompt
 
 
 def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
@@ -180,6 +165,32 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             if entry is not None and entry.cache_type == "assistant":
                 self._drop(model, old)
 
+        def _branch_left(self, model, tokens, prompt_cache):
+            """``(tokens, rows)`` of the stored answer of another branch that this answer
+            (``tokens``) can stand in for, else ``None``: the longer entry the fetch found for
+            this request's prompt, which the prompt leaves before that answer's own prompt ends
+            (a second follow-up of one turn), when the journal rows that take this answer back
+            to the last turn end before they part (``rows``) are fewer than that answer holds.
+            Kept with those rows, this answer serves the other branch's continuations from that
+            turn end: one answer per conversation, the other branch's own turn recomputed."""
+            served, prompt = self._served, self._expected[0]
+            if served is None or prompt is None or served[0] is not prompt:
+                return None
+            _, old, common = served
+            end = self._prompt_ends.get((model, len(old), hash(tuple(old))))
+            if end is None or common >= end or tokens[:common] != old[:common]:
+                return None
+            try:
+                entry = self._trie.get(model, old)
+            except KeyError:
+                return None
+            t = next((t for t in range(common, max(common - BRANCH_SCAN, 0), -1)
+                      if self._is_turn_end(model, tokens[:t])), None)
+            rows = None if t is None else rows_back_to(prompt_cache, len(tokens), t)
+            if entry.cache_type != "assistant" or rows is None or rows > stored_rows(entry.prompt_cache):
+                return None
+            return old, rows
+
         def _turn_ended(self, model, tokens) -> None:
             self._turn_ends[(model, len(tokens), hash(tuple(tokens)))] = None
             while len(self._turn_ends) > TURN_ENDS_KEPT:
@@ -203,6 +214,9 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                 checkpoint = stored_rows(self._trie.get(model, tokens[:own]).prompt_cache)
                 if back is not None and back > checkpoint:
                     back = None  # (the checkpoint holds fewer rows: it stays)
+            branch = self._branch_left(model, tokens, prompt_cache) if cache_type == "assistant" else None
+            if branch is not None:  # (rows back to where the other branch's turn ended)
+                back = max(back or 0, branch[1])
             for c in prompt_cache:  # (an answer that replaces its checkpoint also keeps the
                 if hasattr(c, "shrink_to_fit"):  # journal the checkpoint would have kept)
                     c.shrink_to_fit(self._rest_rows(c) + (back or 0))
@@ -218,6 +232,8 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                         n >= len(prompt) - 1 and e.cache_type != "system"  # its prompt's
                         for n, e in self._trie.prefixes(model, tokens)):  # checkpoint stays)
                     self._drop_passed(model, prompt)
+            if branch is not None and (model, branch[0]) in self._lru._lrus["assistant"]:
+                self._drop(model, branch[0])
             prev = self._trie.add(model, tokens, entry)
             if prev is not None:
                 self._count(prev, -1)

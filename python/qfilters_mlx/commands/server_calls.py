@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PREFILL", "prefill_segments", "rewind_reach", "rewind_target", "rows_back_to"]
+__all__ = ["PREFILL", "drops_prefix", "prefill_segments", "rewind_reach", "rewind_target", "rows_back_to"]
 
 PREFILL = "prefill"
 """Cache type of a cut made only to align prefill calls: never stored."""
@@ -113,3 +113,22 @@ def rows_back_to(caches, length: int, target: int) -> int | None:
         pos -= rec.tokens
         rows += record_rows(rec)
     return rows if pos == target else None
+
+
+def drops_prefix(new_length: int, new_reach: float, old_type: str, old_length: int,
+                 own_prompt: bool = False) -> bool:
+    """Whether storing an entry (``new_length`` tokens, rewinding ``new_reach``) drops a stored
+    entry that is a prefix of it (``old_type``, ``old_length < new_length`` tokens).
+
+    Never a ``"system"`` checkpoint (other conversations start with it; the count and byte
+    bounds limit them). Otherwise always when the new entry can rewind back to the old one's
+    end (it serves the same prompts); else only when the old one is not ``own_prompt``: the
+    checkpoint of the prompt a new answer continues (the longest stored prefix of an answer
+    that is not a system prompt), which a regenerated answer reuses. An older turn of the same
+    conversation, or a checkpoint a new prompt extends, is dropped.
+    """
+    if old_type == "system":
+        return False
+    if new_length - new_reach <= old_length:
+        return True
+    return not own_prompt
