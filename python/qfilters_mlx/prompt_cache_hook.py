@@ -28,21 +28,42 @@ OUR_MODULES = ("qfilters_mlx.cache.kv_cache", "qfilters_mlx.cache.batch", "qfilt
 MARKER = "_registers_qfilters_mlx_caches"
 
 
-def _register() -> None:
-    """Import our cache modules (they register their classes). A failure here must not break
-    ``import mlx_lm.models.cache`` for every mlx-lm command in the environment: it is reported
-    as a warning naming the package, and only our saved caches stay unreadable."""
+def _register(partial_ok: bool = False) -> bool:
+    """Import our cache modules (they register their classes); ``True`` when all are. A failure
+    here must not break ``import mlx_lm.models.cache`` for every mlx-lm command in the
+    environment: it is reported as a warning naming the package, and only our saved caches stay
+    unreadable. ``partial_ok``: a module of ours still being imported (``mlx_lm`` imported from
+    inside it, e.g. ``import qfilters_mlx.model_info`` first) is no failure: the classes are
+    registered at the first ``load_prompt_cache`` instead (:func:`_registering`)."""
     for name in OUR_MODULES:
         try:
             importlib.import_module(name)
         except Exception as err:  # noqa: BLE001 - any import failure of ours, reported
+            if partial_ok and isinstance(err, ImportError) and "partially initialized" in str(err):
+                return False
             import warnings
 
             warnings.warn(f"qfilters-mlx: could not register its cache classes with mlx-lm "
                           f"({name}: {type(err).__name__}: {err}); prompt-cache files written "
                           "by qfilters-mlx will not load in this process", RuntimeWarning,
                           stacklevel=2)
-            return
+            return False
+    return True
+
+
+def _registering(load):
+    """mlx-lm's ``load_prompt_cache`` registering our classes first (idempotent), so that a file
+    of ours loads even when the registration at import time met a half-imported module."""
+    if getattr(load, MARKER, False):
+        return load
+
+    def load_prompt_cache(*args, **kwargs):
+        _register()
+        return load(*args, **kwargs)
+
+    load_prompt_cache.__doc__, load_prompt_cache.__wrapped__ = load.__doc__, load
+    setattr(load_prompt_cache, MARKER, True)
+    return load_prompt_cache
 
 
 class _RegisteringLoader(importlib.abc.Loader):
@@ -56,7 +77,8 @@ class _RegisteringLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _register()
+        module.load_prompt_cache = _registering(module.load_prompt_cache)
+        _register(partial_ok=True)
 
     def __getattr__(self, name):  # get_code, get_source, ... of the real loader
         return getattr(self._loader, name)
@@ -86,6 +108,8 @@ def install() -> None:
     """Register now if ``mlx_lm.models.cache`` is imported, else when it is (idempotent,
     also across the two callers, which may hold two copies of this module)."""
     if TARGET in sys.modules:
+        module = sys.modules[TARGET]
+        module.load_prompt_cache = _registering(module.load_prompt_cache)
         _register()
         return
     if not any(getattr(f, MARKER, False) for f in sys.meta_path):

@@ -40,13 +40,30 @@ def _modules_importing_mlx_lm() -> list[str]:
     return out
 
 
-def test_every_module_importing_mlx_lm_imports_first_in_a_fresh_interpreter():
-    """``import qfilters_mlx.model_info`` (or evaluation.run, ...) as the very first import:
-    mlx_lm's import runs the prompt-cache hook, which must not need a half-imported module."""
+def test_every_module_importing_mlx_lm_imports_first_in_a_fresh_interpreter(tmp_path):
+    """``import qfilters_mlx.model_info`` (or evaluation.run, cache.kv_cache, ...) as the very
+    first import: mlx_lm's import runs the prompt-cache hook, which must not need a half-imported
+    module, and mlx-lm's ``load_prompt_cache`` then reads our files (no warning either)."""
     mods = _modules_importing_mlx_lm()
     assert "qfilters_mlx.model_info" in mods and "qfilters_mlx.evaluation.run" in mods
+    import mlx.core as mx
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from qfilters_mlx import KVCacheConfig, QFiltersKVCache
+
+    cfg = KVCacheConfig(qfilters_filter_source="keys", qfilters_budget=8, qfilters_n_sink=1,
+                        qfilters_recent=2, qfilters_calib_tokens=2, head_dim=4)
+    c = QFiltersKVCache(cfg)
+    c.update_and_fetch(mx.ones((1, 1, 3, 4)), mx.ones((1, 1, 3, 4)))
+    path = tmp_path / "saved.safetensors"
+    save_prompt_cache(str(path), [c])
+    check = (f"from mlx_lm.models.cache import load_prompt_cache; "
+             f"assert [type(x).__name__ for x in load_prompt_cache({str(path)!r})] == ['QFiltersKVCache']")
     for m in mods:
-        res = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True)
+        # (a registration that fails only warns: made an error here; the file loads, in a
+        # process that imported no cache module of ours itself)
+        res = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", f"import {m}; {check}"],
+                             capture_output=True, text=True)
         assert res.returncode == 0, f"import {m} first: {res.stderr[-800:]}"
 
 

@@ -35,14 +35,20 @@ import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache
 
 from qfilters_mlx.cache.inputs import check_update
-from qfilters_mlx.cache.kv_cache import QFiltersKVCache, QuantizedQFiltersKVCache
 from qfilters_mlx.cache.rewind import trim_count
 from qfilters_mlx.config import FORMAT
 
 __all__ = ["GroupedKV", "HeadGroupsKVCache", "install_grouped_attention"]
 
 _KIND = "head_groups"
-_CLASSES = {c.__name__: c for c in (QFiltersKVCache, QuantizedQFiltersKVCache)}
+
+
+def _group_classes() -> dict:
+    """The classes a group's cache may have, by name (imported here: this module is imported
+    while ``mlx_lm.models.cache`` loads, possibly from inside :mod:`.kv_cache`'s own import)."""
+    from qfilters_mlx.cache.kv_cache import QFiltersKVCache, QuantizedQFiltersKVCache
+
+    return {c.__name__: c for c in (QFiltersKVCache, QuantizedQFiltersKVCache)}
 
 
 class GroupedKV(tuple):
@@ -82,8 +88,9 @@ class HeadGroupsKVCache(_BaseCache):
     def _set(self, heads: list[tuple], caches: list) -> None:
         if not heads:
             raise ValueError("HeadGroupsKVCache needs at least one group")
+        base = _group_classes()["QFiltersKVCache"]
         for c in caches:
-            if not isinstance(c, QFiltersKVCache):
+            if not isinstance(c, base):
                 raise TypeError(f"a head group's cache must be a QFiltersKVCache, got {type(c).__name__}")
         flat = sorted(h for hs in heads for h in hs)
         if flat != list(range(len(flat))) or any(list(hs) != sorted(hs) or not hs for hs in heads):
@@ -276,11 +283,11 @@ class HeadGroupsKVCache(_BaseCache):
         if meta.get("format") != FORMAT or meta.get("kind") != _KIND:
             raise ValueError(f"saved head-group cache of format {meta.get('format')!r} / kind "
                              f"{meta.get('kind')!r}; this version reads format {FORMAT}, kind {_KIND!r}")
-        heads, classes = meta.get("heads"), meta.get("classes")
+        heads, classes, known = meta.get("heads"), meta.get("classes"), _group_classes()
         if not isinstance(heads, list) or not isinstance(classes, list) or not (
-                len(heads) == len(classes) == len(v) - 1) or any(c not in _CLASSES for c in classes):
+                len(heads) == len(classes) == len(v) - 1) or any(c not in known for c in classes):
             raise ValueError(f"saved head-group meta names {classes!r} for {len(v) - 1} groups")
-        caches = [_CLASSES[name].from_state(s) for name, s in zip(classes, v[1:])]
+        caches = [known[name].from_state(s) for name, s in zip(classes, v[1:])]
         self._set([tuple(hs) for hs in heads], caches)
 
 

@@ -198,7 +198,12 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             done, self.finishing = self.finishing, False
-            self.requests_stored += done
+            try:
+                self._insert(model, tokens, prompt_cache, cache_type, done)
+            finally:
+                self.requests_stored += done  # (after the entry and its drops: /health reads it)
+
+        def _insert(self, model, tokens, prompt_cache, cache_type, done):
             if cache_type == PREFILL:
                 return
             self._turn_ended(model, tokens)
