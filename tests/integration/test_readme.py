@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 # the site's order (mkdocs.yml's nav); every page of docs/ is listed
-PAGES = ["getting-started", "method", "configuration", "mlx-lm", "serving", "compress-once", "quantized",
+PAGES = ["getting-started", "method", "configuration", "mlx-lm", "serving", "compress-once", "head-groups", "quantized",
          "distributed", "evaluation", "models", "performance", "kernels", "testing", "api"]
 DOCUMENTS = [REPO / "README.md", *(REPO / "docs" / f"{p}.md" for p in PAGES)]
 MAX_TOKENS = 24
