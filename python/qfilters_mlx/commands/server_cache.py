@@ -77,6 +77,11 @@ TURN_ENDS_KEPT = 4096
 request stopped and a later one may have continued), newest kept."""
 
 
+def _key(model, tokens) -> tuple:
+    """What an entry's tokens are remembered by: ``(model, length, hash of the tokens)``."""
+    return model, len(tokens), hash(tuple(tokens))
+
+
 def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
     """``LRUPromptCache`` of ``cache_module`` (``mlx_lm.models.cache``) as described above:
     ``StoredConversations(max_size, max_bytes=None)``. ``journal_at_rest``: rows of rewind
@@ -122,7 +127,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
         def _is_turn_end(self, model, tokens) -> bool:
             """Whether ``tokens`` are those of an entry stored here (now or before): a point
             where a request stopped (a checkpoint, an answer) and the next one continued."""
-            return (model, len(tokens), hash(tuple(tokens))) in self._turn_ends
+            return _key(model, tokens) in self._turn_ends
 
         @property
         def nbytes(self) -> int:
@@ -136,7 +141,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
         def _seen_before(self, model, tokens) -> bool:
             """Whether a system prompt's checkpoint of these tokens came before, up to its last
             :data:`SYSTEM_END_SLACK` tokens (remembered from now on)."""
-            keys = [(model, n, hash(tuple(tokens[:n])))
+            keys = [_key(model, tokens[:n])
                     for n in range(max(1, len(tokens) - SYSTEM_END_SLACK), len(tokens) + 1)]
             seen = any(k in self._systems for k in keys)
             for k in keys:
@@ -145,54 +150,51 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                 self._systems.popitem(last=False)
             return seen
 
-        def _drop_passed(self, model, prompt) -> None:
-            """Drop the stored answer that ``prompt`` (of the answer being stored) moved past:
-            the longer entry :meth:`fetch_nearest_cache` found for it, when ``prompt``
-            follows it beyond that answer's own prompt but leaves it before its end (the client
-            re-sent the answer with other tokens, or asked for another answer to the same
-            prompt). Called only when the new entry rewinds back into its prompt or its
-            prompt's checkpoint stays, so the conversation goes on from them as from the old
-            answer; a branch that left the old answer elsewhere (a sibling follow-up) is no
-            such case."""
+        def _left_answer(self, model, prompt):
+            """``(old, common, end)``: the stored answer ``old`` that the fetch of ``prompt``
+            (the request whose answer is being stored) found longer than the ``common`` tokens
+            they share, ``end`` the length of that answer's own prompt; ``None`` when the fetch
+            found none, or it is no stored answer now."""
             served, self._served = self._served, None
             if served is None or served[0] is not prompt:
-                return
+                return None
             _, old, common = served
-            end = self._prompt_ends.get((model, len(old), hash(tuple(old))))
-            if end is None or not end <= common < len(old):
-                return
-            entry = self._trie.get(model, old)
-            if entry is not None and entry.cache_type == "assistant":
-                self._drop(model, old)
+            end = self._prompt_ends.get(_key(model, old))
+            if end is None or (model, old) not in self._lru._lrus["assistant"]:
+                return None
+            return old, common, end
 
-        def _branch_left(self, model, tokens, prompt_cache):
-            """``(tokens, rows)`` of the stored answer of another branch that this answer
-            (``tokens``) can stand in for, else ``None``: the longer entry the fetch found for
-            this request's prompt, which the prompt leaves before that answer's own prompt ends
-            (a second follow-up of one turn), when the journal rows that take this answer back
-            to the last turn end before they part (``rows``) are fewer than that answer holds.
-            Kept with those rows, this answer serves the other branch's continuations from that
-            turn end: one answer per conversation, the other branch's own turn recomputed."""
-            served, prompt = self._served, self._expected[0]
-            if served is None or prompt is None or served[0] is not prompt:
+        def _branch_rows(self, model, tokens, prompt_cache, left) -> int | None:
+            """Journal rows that take this answer (``tokens``) back to the last turn end before
+            the point where it parts from the stored answer ``left`` (:meth:`_left_answer`)
+            of another branch, when that answer's own prompt ends after that point (a second
+            follow-up of one turn) and the rows are fewer than that answer holds; else
+            ``None``. Kept with those rows, this answer stands in for the other: it serves the
+            other branch's continuations from that turn end (one answer per conversation, the
+            other branch's own turn recomputed)."""
+            old, common, end = left
+            if common >= end:
                 return None
-            _, old, common = served
-            end = self._prompt_ends.get((model, len(old), hash(tuple(old))))
-            if end is None or common >= end or tokens[:common] != old[:common]:
-                return None
-            try:
-                entry = self._trie.get(model, old)
-            except KeyError:
-                return None
-            t = next((t for t in range(common, max(common - BRANCH_SCAN, 0), -1)
-                      if self._is_turn_end(model, tokens[:t])), None)
+            ends = sorted({n for m, n, _ in self._turn_ends  # (lengths first: few hashes)
+                           if m == model and max(common - BRANCH_SCAN, 0) < n <= common}, reverse=True)
+            t = next((n for n in ends if self._is_turn_end(model, tokens[:n])), None)
             rows = None if t is None else rows_back_to(prompt_cache, len(tokens), t)
-            if entry.cache_type != "assistant" or rows is None or rows > stored_rows(entry.prompt_cache):
+            if rows is None or rows > stored_rows(self._trie.get(model, old).prompt_cache):
                 return None
-            return old, rows
+            return rows
+
+        def _moved_past(self, model, tokens, prompt, reach, left) -> bool:
+            """Whether ``prompt`` (of the answer ``tokens``, rewinding ``reach``) moved past the
+            stored answer ``left`` (:meth:`_left_answer`): it leaves it after that answer's own
+            prompt, before its end (the client re-sent it with other tokens), and the new answer
+            rewinds into its prompt or its prompt's checkpoint stays (so they serve what it did)."""
+            old, common, end = left
+            return end <= common < len(old) and (len(tokens) - reach < len(prompt) or any(
+                n >= len(prompt) - 1 and e.cache_type != "system"
+                for n, e in self._trie.prefixes(model, tokens)))
 
         def _turn_ended(self, model, tokens) -> None:
-            self._turn_ends[(model, len(tokens), hash(tuple(tokens)))] = None
+            self._turn_ends[_key(model, tokens)] = None
             while len(self._turn_ends) > TURN_ENDS_KEPT:
                 self._turn_ends.popitem(last=False)
 
@@ -219,9 +221,12 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                 checkpoint = stored_rows(self._trie.get(model, tokens[:own]).prompt_cache)
                 if back is not None and back > checkpoint:
                     back = None  # (the checkpoint holds fewer rows: it stays)
-            branch = self._branch_left(model, tokens, prompt_cache) if cache_type == "assistant" else None
+            prompt = self._expected[0]  # (this request's answer: its tokens start with it)
+            answer = cache_type == "assistant" and prompt is not None and tokens[:len(prompt)] == prompt
+            left = self._left_answer(model, prompt) if answer else None
+            branch = None if left is None else self._branch_rows(model, tokens, prompt_cache, left)
             if branch is not None:  # (rows back to where the other branch's turn ended)
-                back = max(back or 0, branch[1])
+                back = max(back or 0, branch)
             for c in prompt_cache:  # (an answer that replaces its checkpoint also keeps the
                 if hasattr(c, "shrink_to_fit"):  # journal the checkpoint would have kept)
                     c.shrink_to_fit(self._rest_rows(c) + (back or 0))
@@ -231,22 +236,17 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             for length, old in prefixes:
                 if drops_prefix(len(tokens), reach, old.cache_type, length, own_prompt=length == own):
                     self._drop(model, tokens[:length])
-            prompt = self._expected[0]
-            if cache_type == "assistant" and prompt is not None and tokens[:len(prompt)] == prompt:
-                if len(tokens) - reach < len(prompt) or any(  # (it rewinds to its prompt, or
-                        n >= len(prompt) - 1 and e.cache_type != "system"  # its prompt's
-                        for n, e in self._trie.prefixes(model, tokens)):  # checkpoint stays)
-                    self._drop_passed(model, prompt)
-            if branch is not None and (model, branch[0]) in self._lru._lrus["assistant"]:
-                self._drop(model, branch[0])
+            if left is not None and (branch is not None or self._moved_past(
+                    model, tokens, prompt, reach, left)):
+                self._drop(model, left[0])
             prev = self._trie.add(model, tokens, entry)
             if prev is not None:
                 self._count(prev, -1)
                 self._lru.remove(model, tokens)
             self._count(entry, +1)
             self._lru.push(model, tokens, cache_type)
-            if cache_type == "assistant" and prompt is not None and tokens[:len(prompt)] == prompt:
-                self._prompt_ends[(model, len(tokens), hash(tuple(tokens)))] = len(prompt)
+            if answer:
+                self._prompt_ends[_key(model, tokens)] = len(prompt)
                 while len(self._prompt_ends) > TURN_ENDS_KEPT:
                     self._prompt_ends.popitem(last=False)
             lrus = self._lru._lrus
