@@ -57,7 +57,7 @@ def layout(n_layers: int, n_kv: int, budget: int, big_heads: int, multiple: int)
     return HeadBudgets(budgets, recents)
 
 
-def build(model, arm: str, budget: int):
+def build(model, arm: str, budget: int, big_heads: int, multiple: int):
     from qfilters_mlx import KVCacheBuilder, KVCacheConfig
     from qfilters_mlx.model_info import model_dims
 
@@ -65,7 +65,7 @@ def build(model, arm: str, budget: int):
     if arm == "one":
         return KVCacheBuilder.for_model(model, cfg)
     n_layers, n_kv = model_dims(model)[:2]
-    heads = layout(n_layers, n_kv, budget, ARGS.big_heads, ARGS.multiple)
+    heads = layout(n_layers, n_kv, budget, big_heads, multiple)
     return KVCacheBuilder.for_model(model, cfg, heads=heads)
 
 
@@ -102,7 +102,7 @@ def run(args) -> dict:
                 order = ("one", "groups") if r % 2 == 0 else ("groups", "one")
                 caches = {}
                 for arm in order:
-                    caches[arm] = build(model, arm, budget)
+                    caches[arm] = build(model, arm, budget, args.big_heads, args.multiple)
                     pre[arm].append(prefill(model, caches[arm], texts[N]))
             token = {arm: texts[N][None, -1:] for arm in caches}
             dec = {"one": [], "groups": []}
@@ -144,7 +144,6 @@ def markdown(res: dict, command: str) -> str:
 
 
 def main() -> None:
-    global ARGS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", type=common.int_list, default=[128, 256])
     p.add_argument("--contexts", type=common.int_list, default=[1024, 4096])
@@ -155,7 +154,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prefill-rounds", type=int, default=2)
     p.add_argument("--out", default=str(common.RESULTS / "head_groups_decode.json"))
-    ARGS = args = p.parse_args()
+    args = p.parse_args()
     meta = common.run_meta()
     res = {"meta": meta, "args": vars(args), **run(args)}
     command = "python bench/bench_head_groups_decode.py " + " ".join(
@@ -165,8 +164,6 @@ def main() -> None:
     print(markdown(res, command))
     print("wrote", *out)
 
-
-ARGS = None
 
 if __name__ == "__main__":
     main()

@@ -142,14 +142,15 @@ def main() -> None:
     res = json.loads(a.out.read_text()) if a.out.exists() else {"model": a.model, "prompts": {}}
     if res.get("model") != a.model:
         raise SystemExit(f"{a.out} holds {res.get('model')}; use another --out")
-    res.setdefault("runs", []).append({"meta": common.run_meta(), "args": {k: str(v) for k, v in vars(a).items()}})
+    if not a.report:
+        res.setdefault("runs", []).append({"meta": common.run_meta(),
+                                           "args": {k: str(v) for k, v in vars(a).items()}})
     text = source_text()
     arms = a.arms.split(",")
     if a.report:
         for name, row in res["prompts"].items():
             form, offset, context, depth = name.split("/")
             row["distance"] = make_prompt(tokenizer, text, int(offset), int(context), float(depth), form)["distance"]
-        res["runs"].pop()
         a.offsets = []
     for offset in a.offsets:
         for context in a.contexts:

@@ -28,7 +28,6 @@ reads). Everything else is delegated to the groups' caches: trim/rewind (all gro
 from __future__ import annotations
 
 import json
-import sys
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
@@ -101,8 +100,8 @@ class HeadGroupsKVCache(_BaseCache):
                              f"{[(c.layer_idx, c.offset) for c in caches]}")
         self.heads, self.caches, self.n_kv_heads = tuple(heads), list(caches), len(flat)
         order = [h for hs in heads for h in hs]
-        self._order = None if order == flat else mx.array(
-            [order.index(h) for h in flat], dtype=mx.int32)  # concatenated -> head order
+        # concatenated group outputs -> head order (None: already in order)
+        self._order = None if order == flat else [order.index(h) for h in flat]
         self._kv_index = [_runs(list(hs)) for hs in heads]
         self._plans = {}  # query heads per group, by query heads per KV head
         install_grouped_attention()
@@ -171,7 +170,7 @@ class HeadGroupsKVCache(_BaseCache):
         if rep not in self._plans:
             q_index = [_runs([h * rep + j for h in hs for j in range(rep)]) for hs in self.heads]
             order = None if self._order is None else mx.array(
-                [g * rep + j for g in self._order.tolist() for j in range(rep)], dtype=mx.int32)
+                [g * rep + j for g in self._order for j in range(rep)], dtype=mx.int32)
             self._plans[rep] = (q_index, order)
         return self._plans[rep]
 
@@ -294,24 +293,18 @@ class HeadGroupsKVCache(_BaseCache):
 def install_grouped_attention() -> None:
     """Route mlx-lm's ``scaled_dot_product_attention`` of head-group caches through
     :meth:`HeadGroupsKVCache.attend` (module docstring); once per process, other caches
-    unchanged."""
+    unchanged (:func:`qfilters_mlx.filters.attention_route.routed` and ``rebind``)."""
     from mlx_lm.models import base
+
+    from qfilters_mlx.filters.attention_route import rebind, routed
 
     if getattr(base.scaled_dot_product_attention, "_routes_head_groups", False):
         return
     original = base.scaled_dot_product_attention
-
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, HeadGroupsKVCache):
-            return cache.attend(queries, keys, values, scale, mask, sinks, original)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    scaled_dot_product_attention._routes_head_groups = True
-    scaled_dot_product_attention.__wrapped__ = original
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention",
-                                                          None) is original:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
+    sdpa = routed(HeadGroupsKVCache, lambda q, k, v, cache, scale, mask, sinks:
+                  cache.attend(q, k, v, scale, mask, sinks, original), original)
+    sdpa._routes_head_groups = True
+    rebind(original, sdpa)
 
 
 # mlx-lm's load_prompt_cache resolves cache classes by name in its own module
