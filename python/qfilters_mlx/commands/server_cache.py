@@ -55,7 +55,8 @@ from collections import OrderedDict
 
 from qfilters_mlx.commands.server_calls import (PREFILL, drops_prefix, rewind_reach, rewind_target,
                                                 rows_back_to)
-from qfilters_mlx.commands.server_memory import journal_rows, process_memory, request_summary, stored_rows
+from qfilters_mlx.commands.server_memory import (journal_rows, process_memory, release_freed, request_summary,
+                                                 stored_rows)
 from qfilters_mlx.commands.server_trie import key_nbytes
 
 __all__ = ["CHECKPOINT_TYPES", "prompt_cache_class"]
@@ -101,7 +102,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
         Attributes:
             finishing: set by the generation loop just before it stores a finished
                 request's cache (that insert is logged with :func:`request_summary`, and
-                MLX's pool of freed buffers is then returned: ``mx.clear_cache``, so that the
+                the memory the request freed is then returned: :func:`release_freed`, so that the
                 process keeps what is stored, not the largest request's temporaries).
         """
 
@@ -257,9 +258,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             while self.nbytes > self.max_bytes and len(self._lru):
                 self._drop(*self._lru.pop(), in_lru=False)
             if done:
-                import mlx.core as mx
-
-                mx.clear_cache()  # (MLX's pool of freed buffers: a request's temporaries)
+                release_freed()  # (a request's temporaries, from MLX's pool and the C heap)
                 st = self.stored_stats()
                 logging.info(f"qfilters-mlx: {request_summary(prompt_cache, len(tokens))}; stored: "
                              f"{st['conversations']} conversations and {st['checkpoints']} "
