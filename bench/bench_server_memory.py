@@ -384,6 +384,8 @@ def main() -> None:
             res["runs"] += part["runs"]
             for key, arms in part["servers"].items():
                 res["servers"].setdefault(key, {}).update(arms)
+        used = {arm["command"] for arms in res["servers"].values() for arm in arms.values()}
+        res["runs"] = [r for r in res["runs"] if r["command"] in used]  # (superseded runs left out)
         common.write_results(args.out, res, markdown(res))
         print(markdown(res))
         return
