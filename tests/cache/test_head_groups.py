@@ -146,6 +146,26 @@ def test_bytes_held_are_the_sum_of_the_group_budgets():
         assert c.nbytes == slots * (D * 2 * 4 + 4 + 8) + KV * D * 4
 
 
+def test_command_summary_counts_group_layers():
+    """``generate``'s summary (kept tokens, bytes, eviction) sees head-group layers as eviction
+    caches: their kept K/V is the sum of their budgets, their full-cache bytes every token's."""
+    from qfilters_mlx.cache.build_report import eviction_caches
+    from qfilters_mlx.commands.summary import cache_summary
+
+    model, toks = _model(), _tokens()
+    caches = _grouped(model)
+    _run(model, caches, toks)
+    assert eviction_caches(caches) == list(caches)
+    s = cache_summary(caches)
+    row = D * 2 * 4  # one token's K and V at one KV head, float32
+    kv = sum(b for layer in BUDGETS for b in layer) * row
+    assert s["layers"] == LAYERS and s["tokens_seen"] == PROMPT + STEPS and s["evicted"]
+    assert s["kept_tokens"] == max(max(layer) for layer in BUDGETS)
+    assert s["full_bytes"] == LAYERS * KV * (PROMPT + STEPS) * row
+    assert s["kept_bytes"] == sum(c.qfilters_kept_bytes for c in caches) and s["kept_bytes"] >= kv
+    assert s["kept_bytes"] - kv == sum(g.qfilters_kept_bytes - g.kept_kv_bytes for c in caches for g in c.caches)
+
+
 def test_process_memory_follows_the_group_budgets():
     """``mx.get_active_memory()`` grows by what the caches report, and a layout holding half
     the tokens of a one-budget cache holds about half the bytes."""

@@ -99,7 +99,8 @@ def test_the_command_line_takes_a_registered_scorer(first_coordinate):
                               "--method", "first_coordinate", "--budget", "32"])
     config = config_from_args(parser, args)
     assert config.method == "first_coordinate" and config.qfilters_budget == 32
-    assert applicable_flags("first_coordinate", False) == {"budget", "max_kv_size", "n_sink", "recent"}
+    assert applicable_flags("first_coordinate", False) == {"budget", "max_kv_size", "n_sink", "recent",
+                                                           "heads"}
     assert describe_config(config).startswith("method=first_coordinate budget=32")
 
 

@@ -410,6 +410,8 @@ def test_empty_prompt_file_and_stdin_are_refused(capsys, monkeypatch, tmp_path):
         (["--sign", "-1", "--calib-tokens", "9"], ["--calib-tokens", "--sign"]),  # calibrated
         (["--filter-source", "queries", "--calib-tokens", "9"], []),
         (["--budget", "64", "--recent", "8"], []),
+        (["--method", "full", "--heads", "calibrated"], ["--heads"]),
+        (["--method", "streaming_llm", "--heads", "calibrated"], []),
     ],
 )
 def test_flags_that_do_nothing_warn_and_are_left_out(capsys, tmp_path, args, ignored):
@@ -532,8 +534,11 @@ def test_max_kv_size_is_the_budget(capsys):
 
 
 @pytest.mark.parametrize("spec,entries", [
-    ("full,streaming_llm,qfilters", [("full", None), ("streaming_llm", None), ("qfilters", None)]),
-    ("qfilters@128, l2norm@512", [("qfilters", 128), ("l2norm", 512)]),
+    ("full,streaming_llm,qfilters", [("full", None, None), ("streaming_llm", None, None),
+                                     ("qfilters", None, None)]),
+    ("qfilters@128, l2norm@512", [("qfilters", 128, None), ("l2norm", 512, None)]),
+    ("qfilters+heads,qfilters+heads@512", [("qfilters", None, "calibrated"),
+                                           ("qfilters", 512, "calibrated")]),
 ])
 def test_compare_entries(spec, entries):
     from qfilters_mlx.commands.compare import parse_entries
@@ -543,7 +548,9 @@ def test_compare_entries(spec, entries):
 
 
 @pytest.mark.parametrize("spec,message", [("h2o", "unknown method 'h2o'"), ("qfilters@x", "not an integer"),
-                                          ("full@64", "method full has no budget"), (",", "no method")])
+                                          ("full@64", "method full has no budget"), (",", "no method"),
+                                          ("full+heads", "method full has no budget"),
+                                          ("qfilters+window@64", "unknown option +window")])
 def test_compare_bad_entries(capsys, spec, message):
     err = run_error(capsys, "generate", "--compare", spec, "--prompt", "hi")
     assert "--compare" in err and message in err

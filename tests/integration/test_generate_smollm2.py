@@ -197,11 +197,15 @@ def _table(out: str) -> dict:
 def test_compare_table(model_path, short_prompt, capsys):
     from qfilters_mlx.commands.cli import main
 
-    assert main(["generate", "--compare", "full,streaming_llm@64,qfilters@64", "--prompt-file",
-                 short_prompt, "--max-tokens", "4"]) == 0
+    assert main(["generate", "--compare", "full,streaming_llm@64,qfilters@64,qfilters+heads@64",
+                 "--prompt-file", short_prompt, "--max-tokens", "4"]) == 0
     captured = capsys.readouterr()
     rows = _table(captured.out)
-    assert list(rows) == ["full", "streaming_llm@64", "qfilters@64"]
+    assert list(rows) == ["full", "streaming_llm@64", "qfilters@64", "qfilters+heads@64"]
+    # head groups: the retrieval heads hold 4x the budget, the bytes stay within the one budget's
+    assert rows["qfilters+heads@64"]["kept tokens"] == "256"
+    kib = {k: float(rows[k]["KV bytes (% of weights)"].split()[0]) for k in ("qfilters@64", "qfilters+heads@64")}
+    assert 0.9 * kib["qfilters@64"] <= kib["qfilters+heads@64"] <= kib["qfilters@64"]
     assert rows["streaming_llm@64"]["kept tokens"] == rows["qfilters@64"]["kept tokens"] == "64"
     assert int(rows["full"]["kept tokens"]) > 300
     assert all(r["key"] == "-" for r in rows.values())  # not the shipped prompt

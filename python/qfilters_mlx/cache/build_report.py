@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qfilters_mlx.cache.head_groups import HeadGroupsKVCache
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache
 from qfilters_mlx.model_info import BOUNDED_CACHES, CacheSlot, walk
 
-__all__ = ["BudgetedCaches", "BuildReport", "describe", "layer_names"]
+__all__ = ["BudgetedCaches", "BuildReport", "describe", "eviction_caches", "layer_names"]
 
 
 def layer_names(slots) -> str:
@@ -98,12 +99,17 @@ class BudgetedCaches(list):
         return f"BudgetedCaches({len(self)} caches; {self.report.summary()})"
 
 
+def eviction_caches(caches) -> list:
+    """The eviction caches of a cache list, ``CacheList`` members too: every
+    ``QFiltersKVCache`` (quantized or not) and ``HeadGroupsKVCache`` (a layer's head groups)."""
+    return [c for _, c in walk(caches) if isinstance(c, (QFiltersKVCache, HeadGroupsKVCache))]
+
+
 def _ask_rewinds(caches) -> None:
     """Ask every eviction cache of ``caches`` whether it can rewind (turns an ``"auto"``
     journal on before the first eviction; see :class:`BudgetedCaches`)."""
-    for _, c in walk(caches):
-        if isinstance(c, QFiltersKVCache):
-            c.is_trimmable()
+    for c in eviction_caches(caches):
+        c.is_trimmable()
 
 
 def describe(caches) -> str:
@@ -111,5 +117,4 @@ def describe(caches) -> str:
     report = getattr(caches, "report", None)
     if report is not None:
         return report.summary()
-    ours = [p for p, c in walk(caches) if isinstance(c, QFiltersKVCache)]
-    return f"{len(ours)} of {len(list(walk(caches)))} caches are QFiltersKVCache"
+    return f"{len(eviction_caches(caches))} of {len(list(walk(caches)))} caches are eviction caches"

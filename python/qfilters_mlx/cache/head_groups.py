@@ -253,6 +253,11 @@ class HeadGroupsKVCache(_BaseCache):
         return self.offset
 
     @property
+    def evicted(self) -> bool:
+        """Whether any group has evicted a token."""
+        return any(c.evicted for c in self.caches)
+
+    @property
     def tokens_kept(self) -> int:
         """Tokens stored per KV head, averaged over the heads (rounded down)."""
         return sum(c.tokens_kept * len(hs) for hs, c in zip(self.heads, self.caches)) // self.n_kv_heads

@@ -19,7 +19,7 @@ from qfilters_mlx.config import DEFAULT_FILTER_SOURCE, KVCacheConfig, with_store
 from qfilters_mlx.scorers import scorer_class
 
 __all__ = ["applicable_flags", "builder_from_args", "config_from_args", "describe_config",
-           "ignored_flags", "warn_ignored"]
+           "heads_from_args", "ignored_flags", "warn_ignored"]
 
 # KVCacheConfig field -> the flag that sets it (to name flags in its errors).
 FIELD_FLAGS = {
@@ -36,7 +36,7 @@ BUILD_FLAGS = {"backend": "--backend", "max_rewind": "--max-rewind"}
 """Build option -> its flag."""
 
 _CACHE_FLAGS = ("budget", "max_kv_size", "n_sink", "recent", "calib_tokens", "filter_source",
-                "sign", "filters")
+                "sign", "filters", "heads")
 
 
 def _calibrated(args) -> bool:
@@ -51,7 +51,7 @@ def applicable_flags(method: str, has_filters: bool, calibrated: bool = False) -
     scorer = scorer_class(method)
     if not scorer.evicts:
         return set()
-    flags = {"budget", "max_kv_size", "n_sink"}
+    flags = {"budget", "max_kv_size", "n_sink", "heads"}
     if not scorer.ranks:
         return flags
     flags.add("recent")
@@ -121,6 +121,14 @@ def config_from_args(parser, args, method: str | None = None, budget: int | None
     return config
 
 
+def heads_from_args(args, config):
+    """``KVCacheBuilder.for_model``'s ``heads`` for ``args``: ``--heads`` where ``config``'s
+    method has a budget, else ``None`` (the flag is then ignored, with the warning of
+    :func:`warn_ignored`)."""
+    heads = getattr(args, "heads", None)
+    return heads if heads is not None and config.scorer.evicts else None
+
+
 def builder_from_args(parser, args):
     """The :class:`~qfilters_mlx.cache.builder.KVCacheBuilder` of the build flags: ``--backend``
     (checked to be available now, before any model loads) and ``--max-rewind`` (default: the
@@ -152,12 +160,15 @@ def _flag_errors(parser):
         parser.error(message)
 
 
-def describe_config(config) -> str:
-    """The configuration in flag terms, only what applies to its method."""
+def describe_config(config, heads: str | None = None) -> str:
+    """The configuration in flag terms, only what applies to its method (``heads``: ``--heads``)."""
     parts, scorer = [f"method={config.method}"], config.scorer
     if not scorer.evicts:
         return parts[0] + " (keeps every token)"
     parts.append(f"budget={config.qfilters_budget} n_sink={config.qfilters_n_sink}")
+    if heads is not None:
+        parts.append(f"heads={heads} (the model's retrieval heads at their own budgets, the same "
+                     f"bytes in all)")
     if not scorer.ranks:
         parts.append(f"recent={config.protected_recent} (budget - n_sink)")
     elif isinstance(config.qfilters_recent, int):

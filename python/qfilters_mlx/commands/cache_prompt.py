@@ -39,7 +39,9 @@ def add_parser(sub) -> None:
                    help="prompt tokens processed per model call (default 2048)")
     g.add_argument("--seed", type=int, default=None, help="seed of the 'random' method's eviction")
     options.add_quantized_kv_args(g)
-    options.add_cache_args(cp.add_argument_group("KV-cache eviction"))
+    eviction = cp.add_argument_group("KV-cache eviction")
+    options.add_cache_args(eviction)
+    options.add_heads_arg(eviction)
 
 
 def run(parser, args, blas_library: str | None = None) -> int:
@@ -65,7 +67,8 @@ def run(parser, args, blas_library: str | None = None) -> int:
     tokens = generation.build_prompt(parser, args, tokenizer, text, continue_final=True)
     try:
         caches = cache_options.builder_from_args(parser, args).for_model(
-            model, config, tokenizer=tokenizer, model_path=model_path)
+            model, config, tokenizer=tokenizer, model_path=model_path,
+            heads=cache_options.heads_from_args(args, config))
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         parser.error(str(err))
     progress = generation.prefill_progress()
@@ -76,9 +79,10 @@ def run(parser, args, blas_library: str | None = None) -> int:
             pass
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", file=sys.stderr)
     tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else {}
+    described = cache_options.describe_config(config, cache_options.heads_from_args(args, config))
     metadata = {"model": str(model_path), "tokenizer_config": json.dumps(tokenizer_config),
-                "qfilters_config": cache_options.describe_config(config)}
+                "qfilters_config": described}
     save_prompt_cache(args.prompt_cache_file, caches, metadata)
     print(f"Wrote {args.prompt_cache_file}: {len(tokens)} prompt tokens, "
-          f"{cache_options.describe_config(config)}")
+          f"{described}")
     return 0

@@ -1,6 +1,8 @@
 """``qfilters-mlx generate --compare``: one prompt through several caches, one table.
 
-Each entry of the list is ``METHOD`` or ``METHOD@BUDGET``; the model is loaded once,
+Each entry of the list is ``METHOD``, ``METHOD@BUDGET`` or either with ``+heads`` after the
+method (``qfilters+heads@256``: the model's calibrated retrieval heads at their own budgets,
+as ``--heads calibrated``); the model is loaded once,
 each entry gets fresh caches (and fresh draft caches with ``--draft-model``) and the
 same sampling flags. The table has, per entry: the answer's first line, whether it
 contains the shipped prompt's pass key, kept tokens per layer, KV bytes kept (and
@@ -20,8 +22,10 @@ ANSWER_CHARS = 48
 """The answer column shows at most this many characters of the answer's first line."""
 
 
-def parse_entries(parser, spec: str) -> list[tuple[str, int | None]]:
-    """``"full,qfilters@512"`` -> ``[("full", None), ("qfilters", 512)]``; errors name ``--compare``."""
+def parse_entries(parser, spec: str) -> list[tuple[str, int | None, str | None]]:
+    """``"full,qfilters@512,qfilters+heads"`` -> ``[("full", None, None), ("qfilters", 512,
+    None), ("qfilters", None, "calibrated")]``: method, budget and head groups (``+heads``: the
+    model's calibrated retrieval heads, as ``--heads calibrated``); errors name ``--compare``."""
     from qfilters_mlx.scorers import scorer_class, scorer_names
 
     entries = []
@@ -29,16 +33,20 @@ def parse_entries(parser, spec: str) -> list[tuple[str, int | None]]:
         if not item:
             continue
         method, _, budget = item.partition("@")
+        method, plus, extra = method.partition("+")
+        if plus and extra != "heads":
+            parser.error(f"--compare: {item!r}: unknown option +{extra} (only +heads: the "
+                         f"calibrated retrieval heads at their own budgets)")
         if method not in scorer_names():
             parser.error(f"--compare: unknown method {method!r} in {spec!r} (choose from "
-                         f"{', '.join(scorer_names())}, optionally METHOD@BUDGET)")
+                         f"{', '.join(scorer_names())}, optionally METHOD@BUDGET or METHOD+heads)")
         try:
             b = int(budget) if budget else None
         except ValueError:
             parser.error(f"--compare: budget of {item!r} is not an integer")
-        if b is not None and not scorer_class(method).evicts:
+        if (b is not None or plus) and not scorer_class(method).evicts:
             parser.error(f"--compare: {item!r}: method {method} has no budget")
-        entries.append((method, b))
+        entries.append((method, b, "calibrated" if plus else None))
     if not entries:
         parser.error(f"--compare: no method in {spec!r}")
     return entries
@@ -55,11 +63,11 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
         parser.error("--compare cannot continue from --prompt-cache-file (each entry needs "
                      "fresh caches)")
     entries = parse_entries(parser, args.compare)
-    unused = set.intersection(*(set(cache_options.ignored_flags(args, m)) for m, _ in entries))
+    unused = set.intersection(*(set(cache_options.ignored_flags(args, m)) for m, _, _ in entries))
     for flag in sorted(unused):
         print(f"{parser.prog}: warning: {flag} does nothing for any of --compare "
               f"{args.compare} (ignored)", file=sys.stderr)
-    configs = [cache_options.config_from_args(parser, args, method=m, budget=b) for m, b in entries]
+    configs = [cache_options.config_from_args(parser, args, method=m, budget=b) for m, b, _ in entries]
     builder = cache_options.builder_from_args(parser, args)
     for c in configs:
         options.check_quantized_kv_start(parser, args, c)
@@ -82,19 +90,22 @@ def run_compare(parser, args, blas_library: str | None = None) -> int:
     tokens = generation.build_prompt(parser, args, tokenizer, text)
     weights = summary.weight_bytes(model)
     rows = []
-    for i, ((method, _), config) in enumerate(zip(entries, configs)):
-        label = f"{method}@{config.qfilters_budget}" if config.scorer.evicts else method
+    for i, ((method, _, heads), config) in enumerate(zip(entries, configs)):
+        heads = heads or cache_options.heads_from_args(args, config)
+        label = (f"{method}{'+heads' if heads else ''}@{config.qfilters_budget}" if config.scorer.evicts
+                 else method)
         if args.seed is not None:
             mx.random.seed(args.seed)  # every entry samples from the same state
         try:
-            caches = builder.for_model(model, config, tokenizer=tokenizer, model_path=model_path)
+            caches = builder.for_model(model, config, tokenizer=tokenizer, model_path=model_path,
+                                       heads=heads)
             draft = None if draft_model is None else generation.build_draft(
                 parser, args, draft_model, draft_tokenizer, tokenizer, config, builder,
                 f"--compare {label}")
         except (ValueError, TypeError, OSError, RuntimeError) as err:
             parser.error(f"--compare {label}: {err}")
         progress = generation.prefill_progress(f"[{i + 1}/{len(entries)}] {label} prefill")
-        print(f"[{i + 1}/{len(entries)}] {label}: {cache_options.describe_config(config)}",
+        print(f"[{i + 1}/{len(entries)}] {label}: {cache_options.describe_config(config, heads)}",
               file=sys.stderr, flush=True)
         try:
             r = generation.run_generation(model, tokenizer, tokens, caches, args, draft=draft,

@@ -75,11 +75,13 @@ def add_parser(sub) -> None:
     options.add_quantized_kv_args(g)
     c = gen.add_argument_group("KV-cache eviction")
     options.add_cache_args(c)
+    options.add_heads_arg(c)
     questions.add_compress_args(c)
     c.add_argument("--compare", nargs="?", const=DEFAULT_COMPARE, default=None, metavar="LIST",
                    help=f"run the prompt through several caches and print one table (answer, "
                         f"pass key found, kept tokens, KV bytes, tokens/s, peak memory). LIST: "
-                        f"comma-separated METHOD or METHOD@BUDGET (default {DEFAULT_COMPARE}); "
+                        f"comma-separated METHOD, METHOD@BUDGET, or either with +heads after the "
+                        f"method (as --heads calibrated) (default {DEFAULT_COMPARE}); "
                         f"the other cache flags apply to every entry that uses them")
 
 
@@ -108,13 +110,13 @@ def _load_prompt_cache(parser, args):
     """``(caches, model folder)`` from ``--prompt-cache-file`` (mlx-lm's loader and metadata)."""
     from mlx_lm.models.cache import load_prompt_cache
 
-    from qfilters_mlx.cache.kv_cache import QFiltersKVCache
+    from qfilters_mlx.cache.build_report import eviction_caches
 
     try:
         caches, meta = load_prompt_cache(args.prompt_cache_file, return_metadata=True)
     except (OSError, ValueError, KeyError, AttributeError, RuntimeError) as err:
         parser.error(f"--prompt-cache-file: cannot load {args.prompt_cache_file}: {err}")
-    if not any(isinstance(c, QFiltersKVCache) for c in caches):
+    if not eviction_caches(caches):
         parser.error(f"--prompt-cache-file: {args.prompt_cache_file} holds no eviction caches "
                      f"(written by mlx_lm.cache_prompt?); write it with `qfilters-mlx cache-prompt`")
     model = args.model or meta.get("model")
@@ -184,7 +186,8 @@ def _run(parser, args, blas_library, world) -> int:
         # a file's caches keep their build options; the draft's follow them
         builder = KVCacheBuilder() if loaded is not None else cache_options.builder_from_args(parser, args)
         caches = loaded if loaded is not None else builder.for_model(
-            model, config, tokenizer=tokenizer, model_path=model_path)
+            model, config, tokenizer=tokenizer, model_path=model_path,
+            heads=cache_options.heads_from_args(args, config))
         config = config or next(c.config for c in caches if hasattr(c, "config"))
         draft = None
         if draft_path is not None:
@@ -225,13 +228,14 @@ def _summary_lines(model, model_path, config, backend, result, shipped, blas_lib
     s = summary.cache_summary(result.caches)
     weights = summary.weight_bytes(model)
     backends = sorted({c.backend.name for c in result.caches if hasattr(c, "backend")})
+    heads = None if args.prompt_cache_file else cache_options.heads_from_args(args, config)
     from qfilters_mlx.cache.builder import describe
 
     lines = [
         ("Model", str(model_path)),
         ("Layers", describe(result.caches)),
         ("BLAS", blas.describe(blas_library)),
-        ("Cache config", f"{cache_options.describe_config(config)} backend={backend} "
+        ("Cache config", f"{cache_options.describe_config(config, heads)} backend={backend} "
                          f"({','.join(backends) or 'none'})"),
     ]
     if getattr(args, "kv_bits", None) is not None:

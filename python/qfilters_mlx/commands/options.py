@@ -31,7 +31,7 @@ from qfilters_mlx.config import (
 DEFAULT_QUANTIZED_KV_START = 5000
 """mlx-lm's ``--quantized-kv-start`` default (``mlx_lm.generate.DEFAULT_QUANTIZED_KV_START``)."""
 
-__all__ = ["add_cache_args", "add_model_args", "add_prompt_args", "add_quantized_kv_args",
+__all__ = ["add_cache_args", "add_heads_arg", "add_model_args", "add_prompt_args", "add_quantized_kv_args",
            "check_quantized_kv_args", "check_quantized_kv_start", "parse_sign"]
 
 
@@ -185,3 +185,14 @@ def add_cache_args(group) -> None:
                        help="tokens a cache can rewind exactly after evicting (speculative "
                             "decoding's rejected drafts; default 0, or --num-draft-tokens with "
                             "--draft-model; must be at least --num-draft-tokens there)")
+
+
+def add_heads_arg(group) -> None:
+    """``--heads``: head groups at their own budgets (commands whose caches are not stored by a
+    server: ``generate``, ``cache-prompt``)."""
+    group.add_argument("--heads", choices=["calibrated"], default=None,
+                       help="KV heads at their own budgets, at the same bytes: 'calibrated' gives "
+                            "the model's retrieval heads (ranked once on needles in the "
+                            "calibration text, stored beside its filter) 4 times the budget and "
+                            "the other heads what is left (docs/head-groups.md, where its "
+                            "measurements are). Default: every head at --budget")

@@ -142,7 +142,8 @@ def run_questions(parser, args, config, blas_library=None) -> int:
                            ignore_chat_template=args.ignore_chat_template, template_kwargs=kwargs)
     try:
         caches = cache_options.builder_from_args(parser, args).for_model(
-            model, config, tokenizer=tokenizer, model_path=model_path)
+            model, config, tokenizer=tokenizer, model_path=model_path,
+            heads=cache_options.heads_from_args(args, config))
     except (ValueError, TypeError, OSError) as err:
         parser.error(str(err))
     tic = time.perf_counter()

@@ -28,10 +28,9 @@ def cache_summary(caches) -> dict:
         holds), ``evicted`` (whether any layer evicted a token), ``compression_ratio``
         (``full_bytes / kept_bytes``, 1.0 when nothing is kept).
     """
-    from qfilters_mlx.cache.kv_cache import QFiltersKVCache
-    from qfilters_mlx.model_info import walk
+    from qfilters_mlx.cache.build_report import eviction_caches
 
-    ours = [c for _, c in walk(caches) if isinstance(c, QFiltersKVCache)]  # CacheList members too
+    ours = eviction_caches(caches)  # (CacheList members and head groups too)
     kept = sum(c.qfilters_kept_bytes for c in ours)
     full = sum(c.full_seq_bytes for c in ours)
     return {
