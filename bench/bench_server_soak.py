@@ -75,32 +75,34 @@ def corpus(arm, model, log_dir) -> dict:
     server = start(arm, model, log_dir, "corpus")
     _, ref = post_json(server.port, CHAT, GOOD_CHAT)
     reference = answer(ref)
-    rows, crashes, deaths = [], 0, 0
+    rows, crashes, deaths, stalls = [], 0, 0, 0
     try:
         for case in cases():
             status, raw = send(server.port, case, timeout=15)
             crashed = not server.alive()
-            died = False
-            good = False
+            died = stalled = good = False
             if not crashed:
                 h, _ = get_json(server.port, "/health")
                 died = h != 200
                 if not died:
                     gs, reply = post_json(server.port, CHAT, GOOD_CHAT)
                     good = gs == 200 and answer(reply) == reference
+                    stalled = gs is None  # (no answer in time: still busy with the case)
             crashes += crashed
             deaths += died
+            stalls += stalled
             rows.append({"case": case.name, "expected": case.status, "status": status,
-                         "crashed": crashed, "thread_died": died, "next_good_ok": good,
-                         "answer": raw[:160].decode(errors="replace")})
-            if crashed or died:
+                         "crashed": crashed, "thread_died": died, "stalled": stalled,
+                         "next_good_ok": good, "answer": raw[:160].decode(errors="replace")})
+            if crashed or died or stalled:
                 server.stop()
                 server = start(arm, model, log_dir, f"corpus-{len(rows)}")
     finally:
         server.stop()
     return {"reference": reference, "cases": rows, "crashes": crashes, "thread_deaths": deaths,
-            "as_expected": sum(r["status"] == r["expected"] for r in rows),
-            "next_good_ok": sum(r["next_good_ok"] for r in rows), "n": len(rows)}
+            "stalls": stalls, "as_expected": sum(r["status"] == r["expected"] for r in rows),
+            "next_good_ok": sum(r["next_good_ok"] for r in rows), "n": len(rows),
+            "command": " ".join(sys.argv[1:]), "git_head": common.run_meta()["code"]["git_head"]}
 
 
 def memory(arm, model, log_dir, n) -> dict:
@@ -263,19 +265,29 @@ def markdown(res) -> str:
     if "corpus" in res:
         L += ["## Bad-input corpus (`tests/helpers/server_corpus.py`)", ""]
         L += common.md_table(["server", "cases", "status as expected (ours)", "next good request correct",
-                              "crashes", "generation-thread deaths"],
-                             [[a, c["n"], c["as_expected"], c["next_good_ok"], c["crashes"], c["thread_deaths"]]
-                              for a, c in res["corpus"].items()], "lrrrrr")
-        L += ["", "Per case (status; C = process crashed, D = generation thread died, x = next good request wrong):", ""]
+                              "crashes", "generation-thread deaths", "stalled (restarted)", "code"],
+                             [[a, c["n"], c["as_expected"], c["next_good_ok"], c["crashes"], c["thread_deaths"],
+                               c.get("stalls", "-"), c.get("git_head", "-")]
+                              for a, c in res["corpus"].items()], "lrrrrrrl")
+        L += ["", "Per case (status; C = process crashed, D = generation thread died, S = no answer to "
+              "the next good request in 120 s (server restarted), x = next good request wrong; - = "
+              "not in that server's run):", ""]
         arms = list(res["corpus"])
+        by_name = {a: {r["case"]: r for r in res["corpus"][a]["cases"]} for a in arms}
+        names = list(dict.fromkeys(r["case"] for a in arms for r in res["corpus"][a]["cases"]))
+        expected = {r["case"]: r["expected"] for a in arms for r in res["corpus"][a]["cases"]}
         rows = []
-        for i, case in enumerate(res["corpus"][arms[0]]["cases"]):
+        for name in names:
             cells = []
             for a in arms:
-                r = res["corpus"][a]["cases"][i]
-                mark = "C" if r["crashed"] else "D" if r["thread_died"] else "" if r["next_good_ok"] else "x"
+                r = by_name[a].get(name)
+                if r is None:
+                    cells.append("-")
+                    continue
+                mark = ("C" if r["crashed"] else "D" if r["thread_died"] else "S" if r.get("stalled")
+                        else "" if r["next_good_ok"] else "x")
                 cells.append(f"{r['status']}{(' ' + mark) if mark else ''}")
-            rows.append([f"`{case['case']}`", case["expected"], *cells])
+            rows.append([f"`{name}`", expected[name], *cells])
         L += common.md_table(["case", "expected", *arms], rows, "lr" + "r" * len(arms))
     if "memory" in res:
         L += ["", "## Stored short conversations", ""]
@@ -333,6 +345,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-reps", type=int, default=10)
     ap.add_argument("--out", default=str(common.RESULTS / "server_soak.json"))
+    ap.add_argument("--arms", default="qfilters,mlx_lm",
+                    help="servers of the corpus and soak phases (the others' results are kept)")
     args = ap.parse_args()
     from qfilters_mlx.assets.prepare_model import prepare_model
 
@@ -347,13 +361,13 @@ def main() -> None:
     res["meta"] = common.run_meta(command=command)
     for phase in phases:  # (phases may come from separate runs: each keeps its command and load)
         res.setdefault("runs", {})[phase] = {"command": command, "loadavg_start": res["meta"]["loadavg_start"]}
-    arms = ("qfilters", "mlx_lm")
+    arms = args.arms.split(",")
 
     def save():
         common.write_results(out, res, markdown(res))
 
     if "corpus" in phases:
-        res["corpus"] = {a: corpus(a, model, log_dir) for a in arms}
+        res["corpus"] = {**res.get("corpus", {}), **{a: corpus(a, model, log_dir) for a in arms}}
         save()
     if "memory" in phases:
         res["memory"] = {a: memory(a, model, log_dir, args.conversations) for a in arms}
@@ -365,7 +379,7 @@ def main() -> None:
         res["reuse_deterministic"] = all(again[k] == runs["qfilters"][k] for k in REUSE_CASES)
         save()
     if "soak" in phases:
-        res["soak"] = {a: soak(a, model, log_dir, args.soak) for a in arms}
+        res["soak"] = {**res.get("soak", {}), **{a: soak(a, model, log_dir, args.soak) for a in arms}}
         save()
     if "decode" in phases:
         res["decode"] = decode(args.decode_tokens, args.decode_reps)
