@@ -297,7 +297,8 @@ def markdown(res) -> str:
                 "yes" if ratio <= RATIO_BAR and s <= STORED_BAR_MB else "no")
             wok = "-" if wratio is None or s is None else (
                 "yes" if wratio <= RATIO_BAR and s <= STORED_BAR_MB else "no")
-            n = len((go or ga or {"conversations": []})["conversations"])
+            ns = {len(g["conversations"]) for g in (ga, go) if g}
+            n = "/".join(str(len(g["conversations"])) for g in (ga, go) if g) if len(ns) > 1 else min(ns, default=0)
             rows.append([f"{L:,}", A, kind, n, _mb(a), _mb(o), "-" if ratio is None else f"{ratio:.2f}",
                          f"{_mb(wa)} / {_mb(wo)} ({'-' if wratio is None else f'{wratio:.2f}'})",
                          _mb(s), f"{ok} / {wok}"])
@@ -307,10 +308,11 @@ def markdown(res) -> str:
         pr = po / pa if po is not None and pa else None
         pok = "-" if pr is None or ps is None else (
             "yes" if pr <= RATIO_BAR and ps <= STORED_BAR_MB else "no")
-        n = sum(len(g["conversations"]) for g in (ours or anchor or {"groups": {}})["groups"].values())
-        rows.append([f"{L:,}", A, "**all three, after the first**", n - 1, _mb(pa), _mb(po),
+        ns = [sum(len(g["conversations"]) for g in r["groups"].values()) - 1 for r in (anchor, ours) if r]
+        n = "/".join(map(str, ns)) if len(set(ns)) > 1 else (ns or [0])[0]
+        rows.append([f"{L:,}", A, "**all three, after the first**", n, _mb(pa), _mb(po),
                      "-" if pr is None else f"**{pr:.2f}**", "", _mb(ps), pok])
-    lines += common.md_table(["prompt tokens", "answer tokens", "system prompt", "N",
+    lines += common.md_table(["prompt tokens", "answer tokens", "system prompt", "N (mlx_lm/ours where they differ)",
                               "mlx_lm growth per conversation (MB)", "ours (MB)", "ours / mlx_lm",
                               "after the group's first: mlx_lm / ours (MB; ratio)",
                               "ours stored per conversation (MB)", "within the bar (both measures)"],

@@ -296,8 +296,9 @@ def _rss() -> int:
 @pytest.mark.skipif(server_memory._malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
 def test_release_freed_returns_mlx_pool_and_the_c_heap():
     """After a request, what MLX and the C heap freed leaves the resident set: MLX's pool is
-    emptied, and 96 MB of 64 KiB blocks freed under a live one (so glibc cannot give them back
-    from the heap's top by itself) are handed back by the trim."""
+    emptied, and 96 MB of 32 KiB blocks (below glibc's mmap threshold, also the server's)
+    freed under a live one (so glibc cannot give them back from the heap's top by itself) are
+    handed back by the trim."""
     import ctypes
 
     import mlx.core as mx
@@ -308,10 +309,10 @@ def test_release_freed_returns_mlx_pool_and_the_c_heap():
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
-    blocks = [libc.malloc(64 << 10) for _ in range(1536)]
+    blocks = [libc.malloc(32 << 10) for _ in range(3072)]
     for p in blocks:
-        ctypes.memset(p, 1, 64 << 10)
-    last = libc.malloc(64 << 10)
+        ctypes.memset(p, 1, 32 << 10)
+    last = libc.malloc(32 << 10)
     for p in blocks:
         libc.free(p)
     before = _rss()
@@ -320,3 +321,29 @@ def test_release_freed_returns_mlx_pool_and_the_c_heap():
     libc.free(last)
     assert mx.get_cache_memory() == 0
     assert before - after >= 64 << 20, (before, after)
+
+
+@pytest.mark.skipif(server_memory._malloc_trim() is None, reason="the C library is not glibc")
+def test_map_large_blocks_returns_freed_blocks_at_once():
+    """After ``map_large_blocks`` a freed 64 KiB block leaves the resident set at once (its own
+    mapping), where glibc's default keeps it in the heap; in a fresh process each, since the
+    setting is the process's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, os, sys\n"
+        "from qfilters_mlx.commands import server_memory\n"
+        "if sys.argv[1] == 'mapped': assert server_memory.map_large_blocks()\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+        "libc = ctypes.CDLL(None); libc.malloc.restype = ctypes.c_void_p\n"
+        "libc.free.argtypes = [ctypes.c_void_p]\n"
+        "blocks = [libc.malloc(64 << 10) for _ in range(1536)]\n"
+        "for p in blocks: ctypes.memset(p, 1, 64 << 10)\n"
+        "last = libc.malloc(64 << 10)\n"
+        "before = rss()\n"
+        "for p in blocks: libc.free(p)\n"
+        "print((before - rss()) >> 20)\n")
+    freed = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
+                                      check=True).stdout) for mode in ("default", "mapped")}
+    assert freed["mapped"] >= 90 and freed["default"] <= 8, freed

@@ -51,6 +51,7 @@ import sys
 from pathlib import Path
 
 from qfilters_mlx.commands.server_flags import DEFAULT_PROMPT_CACHE_SIZE, cache_parser
+from qfilters_mlx.commands.server_memory import map_large_blocks
 
 __all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "answer_journal",
            "context_length", "run"]
@@ -286,6 +287,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
              "--prompt-cache-size", str(DEFAULT_PROMPT_CACHE_SIZE if size is None else size)]
     served = None
     if not helping:
+        map_large_blocks()  # (before the model loads: freed blocks leave the resident set)
         model_path = resolve_model(ours, cache_args.model)
         rest += ["--model", str(model_path)]
         served = _served(cache_args, model_path, quantized)

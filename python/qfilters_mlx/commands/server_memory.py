@@ -1,11 +1,18 @@
 """What a stored entry of ``qfilters-mlx server`` and the server process hold: journal rows kept
 at rest (:func:`journal_rows`), rows per layer (:func:`stored_rows`), the process's memory
-(:func:`process_memory`), the line logged after each request (:func:`request_summary`) and the
-hand-back of freed memory after it (:func:`release_freed`)."""
+(:func:`process_memory`), the line logged after each request (:func:`request_summary`), the
+hand-back of freed memory after it (:func:`release_freed`) and the C heap's policy for large
+blocks (:func:`map_large_blocks`)."""
 
 from __future__ import annotations
 
-__all__ = ["journal_rows", "process_memory", "release_freed", "request_summary", "stored_rows"]
+__all__ = ["MMAP_THRESHOLD", "journal_rows", "map_large_blocks", "process_memory", "release_freed",
+           "request_summary", "stored_rows"]
+
+MMAP_THRESHOLD = 64 << 10
+"""Bytes from which a block gets its own mapping in the server process (glibc; its default is
+128 KiB, raised up to 32 MB as large blocks are freed)."""
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def journal_rows(cache) -> int:
@@ -43,13 +50,34 @@ def release_freed() -> None:
         trim(0)
 
 
+def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Where the C library is glibc, give every block of ``threshold`` bytes or more its own
+    mapping (``mallopt(M_MMAP_THRESHOLD, threshold)``, which also stops glibc raising the
+    threshold as large blocks are freed). A freed block then leaves the resident set at once,
+    and the arrays a stored conversation keeps do not pin the heap pages of a request's
+    temporaries around them. Measured with SmolLM2, 2,048-token requests run in a thread
+    and their caches kept, :func:`release_freed` after each: the resident set grew by what
+    the kept arrays hold plus 6-8 MB per request, against 10-34 MB with glibc's default.
+
+    Returns:
+        Whether the threshold was set (``False`` where the C library is not glibc).
+    """
+    mallopt = _libc("mallopt")
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+
+
 def _malloc_trim():
     """glibc's ``malloc_trim``, or ``None`` where the C library has none."""
+    return _libc("malloc_trim")
+
+
+def _libc(name: str):
+    """The C library's function ``name``, or ``None`` where it has none."""
     import ctypes
     import ctypes.util
 
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
 
