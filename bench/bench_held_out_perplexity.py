@@ -73,7 +73,7 @@ from qfilters_mlx.evaluation.bootstrap import gap_ratio
 from qfilters_mlx.evaluation.perplexity import full_cache_nll, perplexity
 from qfilters_mlx.evaluation.pooled import equivalent_budget, pooled_ratio_bootstrap
 from qfilters_mlx.evaluation.simulate import simulated_nll
-from sim_arms import N_SINK, Arms, config, default_filters  # noqa: F401  (the other benches' names)
+from sim_arms import N_SINK, Arms, config, default_filters, heads_note  # noqa: F401  (the other benches' names)
 
 PREFIX, TOKENS = 128, 1024
 BUDGETS = (64, 128, 256, 512)
@@ -184,11 +184,7 @@ def markdown(results: dict, st: dict) -> str:
     budgets, segs, arms = st["budgets"], st["segments"], st["arms"]
     rivals = arms[1:]
     title = get_model(results.get("model")).title
-    heads = "" if "heads" not in arms else (
-        "Head groups (`heads`): `resolve_heads(\"calibrated\")` at each budget, the default's filters, "
-        f"from the {re.sub(r' [(].*', '', results['heads_ranking'])}; big heads (layer, KV head) at budget "
-        + "; ".join(f"{b}: {', '.join(f'({i}, {h})' for i, h in v['big'])} ({v['total_tokens']} tokens held)"
-                    for b, v in results["heads"].items()) + ".")
+    heads = heads_note(results) if "heads" in arms else ""
     lines = [f"# Held-out perplexity: StreamingLLM, the default, the oracle"
              f"{', head groups' if 'heads' in arms else ''} ({title})", "",
              "Commands:", "", *[f"    {c}" for c in results["commands"]], "",

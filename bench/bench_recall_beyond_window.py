@@ -57,7 +57,7 @@ import numpy as np
 from mlx_lm import load
 from scipy.stats import binomtest
 
-from bench_held_out_perplexity import Arms
+from sim_arms import Arms, heads_note
 from qfilters_mlx.assets.models import get_model
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import source_text
@@ -189,7 +189,8 @@ def markdown(results: dict, s: dict) -> str:
              f"{s['prompts']} prompts of {min(ptoks)}-{max(ptoks)} tokens (key {min(dist)}-{max(dist)} tokens before "
              f"the end of the prompt); the full cache recalls the key in {s['full_recalled']} of them; "
              f"shares below over the {s['counted']} of those where every arm ran. Default filters: "
-             f"{re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}.", "",
+             f"{re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}."
+             + (f" {heads_note(results)}" if "heads" in s["arms"] else ""), "",
              "Recalled / prompts the full cache recalls [exact 95% interval]; median NLL of the key's "
              f"tokens in nats (full cache: {s['median_full_key_nll']:.2f}); key kept: the share of (layer, KV "
              "head, key token) where the needle's key tokens are in the cache when the answer's first key "

@@ -83,3 +83,21 @@ class Arms:
         return {(arm, b): oracles[b] if arm == "oracle" else self.heads_arm(b) if arm == "heads" else MaskedArm(
             config(arm, b, self.hd), filters=self.default_filters() if arm == "default" else None)
             for arm, b in todo}
+
+
+def heads_note(results: dict) -> str:
+    """One sentence for a results table: where the ``heads`` arm's ranking came from, and per
+    budget its big heads, their budget, the other heads' budget, the recent windows and the
+    tokens held (from ``results["heads"]``, written by :meth:`Arms.heads_arm`)."""
+    ranking = results["heads_ranking"]
+    where = f"`{ranking.split(' (')[0].rsplit('/', 1)[-1]}` ({ranking.split(' (', 1)[1]}"
+    per = []
+    for b, v in results["heads"].items():
+        sizes = sorted({x for row in v["budgets"] for x in row})
+        recent = sorted({x for row in v["recents"] for x in row})
+        per.append(f"at budget {b} the {len(v['big'])} big heads (layer, KV head) "
+                   f"{', '.join(f'({i}, {h})' for i, h in v['big'])} hold {sizes[-1]} tokens, the other heads "
+                   f"{sizes[0]}, recent window {', '.join(map(str, recent))} for all, {v['total_tokens']} tokens "
+                   f"held in all (one budget everywhere: {int(b) * sum(len(row) for row in v['budgets'])})")
+    return ("Head groups (`heads`): `resolve_heads(\"calibrated\")`, the rule of docs/head-groups.md over "
+            f"the stored ranking {where}, with the default's filters; " + "; ".join(per) + ".")
