@@ -24,7 +24,14 @@ Arms: ``streaming_llm`` (4 sinks + budget - 4 recent tokens); ``default`` (the f
 does); ``oracle`` (the default's keep rule, each key scored by the attention it receives in the
 full-cache pass from the queries after it has left the recent window, summed over its GQA group:
 :func:`qfilters_mlx.evaluation.oracle.oracle_arms`; it sees the future, a ceiling for every
-score fixed at insertion).
+score fixed at insertion); ``heads`` (``heads="calibrated"``: the per-head budgets and recent
+windows :func:`qfilters_mlx.cache.head_group_build.resolve_heads` gives at the budget, the model's
+stored retrieval-head ranking through the rule of docs/head-groups.md, with the default's filter;
+``--arms heads`` adds it to a results file without rerunning the others).
+
+Cell rule (:func:`cell_fails`): a (segment, budget) cell fails when the arm's perplexity exceeds
+StreamingLLM's by more than 10% of StreamingLLM's gap (its perplexity minus the full cache's)
+plus 0.5% of the full cache's perplexity.
 
 Statistics (:mod:`qfilters_mlx.evaluation.pooled`): per budget the pooled gap ratio to StreamingLLM
 (perplexity points lost to the full cache, summed over the six segments, over StreamingLLM's) and
@@ -37,6 +44,8 @@ Usage (resumable: cells in the output are kept; ``--report`` rewrites the tables
     python bench/bench_held_out_perplexity.py [--segments prose-0,code-difflib] [--budgets 64,128]
     python bench/bench_held_out_perplexity.py --tokens 2048 --budgets 512 \
         --out bench/results/held_out_perplexity_2k.json   # budget 512 with eviction over 1,536 tokens
+    python bench/bench_held_out_perplexity.py --tokens 2048 --budgets 512 --arms heads \
+        --out bench/results/held_out_perplexity_2k.json   # the same texts, head groups added
     python bench/bench_held_out_perplexity.py --model qwen2.5-coder-0.5b \
         --out bench/results/held_out_perplexity_qwen.json   # another registered model
 
@@ -51,7 +60,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 
 import common  # noqa: F401  (fast BLAS before MLX)
@@ -61,18 +69,19 @@ from mlx_lm import load
 from qfilters_mlx.assets.models import get_model
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import calibration_text, source_text
-from qfilters_mlx.config import KVCacheConfig
 from qfilters_mlx.evaluation.bootstrap import gap_ratio
 from qfilters_mlx.evaluation.perplexity import full_cache_nll, perplexity
 from qfilters_mlx.evaluation.pooled import equivalent_budget, pooled_ratio_bootstrap
-from qfilters_mlx.evaluation.oracle import oracle_arms
-from qfilters_mlx.evaluation.simulate import MaskedArm, simulated_nll
+from qfilters_mlx.evaluation.simulate import simulated_nll
+from sim_arms import N_SINK, Arms, config, default_filters, heads_note  # noqa: F401  (the other benches' names)
 
-PREFIX, TOKENS, N_SINK = 128, 1024, 4
+PREFIX, TOKENS = 128, 1024
 BUDGETS = (64, 128, 256, 512)
-ARMS = ("streaming_llm", "default", "oracle")
+ARMS = ("streaming_llm", "default", "oracle", "heads")
+BASE_ARMS = ARMS[:3]  # every results file has these; ``heads`` where it was run
 SEGMENTS = ("prose-0", "prose-100k", "prose-150k", "code-dataclasses", "code-difflib", "code-argparse")
 CELL_BAR = 1.10  # no single (segment, budget) gap ratio above this
+CELL_GAP, CELL_FULL = 0.10, 0.005  # the cell rule's allowance: of StreamingLLM's gap, of the full ppl
 OUT = common.RESULTS / "held_out_perplexity.json"
 
 
@@ -102,55 +111,9 @@ def calibration_text_start() -> int:
     return int(source.split("chars ")[1].split("..")[0])
 
 
-def default_filters(model, tokenizer):
-    """The filter ``KVCacheBuilder.for_model`` makes on first use (a fresh filters home, so no
-    stored file is found): ``(filters [L, H_kv, D], origin)``."""
-    from qfilters_mlx.filters.default_filters import resolve_filters
-
-    before = os.environ.get("QFILTERS_MLX_HOME")
-    with tempfile.TemporaryDirectory() as home:
-        os.environ["QFILTERS_MLX_HOME"] = home
-        try:
-            r = resolve_filters(model, KVCacheConfig(), tokenizer=tokenizer)
-        finally:
-            if before is None:
-                del os.environ["QFILTERS_MLX_HOME"]
-            else:
-                os.environ["QFILTERS_MLX_HOME"] = before
-    return r.filters, r.origin
-
-
-def config(arm: str, budget: int, hd: int) -> KVCacheConfig:
-    if arm == "streaming_llm":
-        return KVCacheConfig(method="streaming_llm", head_dim=hd, qfilters_budget=budget, qfilters_n_sink=N_SINK)
-    return KVCacheConfig(method="qfilters", head_dim=hd, qfilters_budget=budget, qfilters_n_sink=N_SINK)
-
-
-class Arms:
-    """The simulator's :data:`ARMS` of one run: StreamingLLM and the default by their
-    :func:`config` (the default filters made on first use, their origin recorded in
-    ``results["default_filters"]`` when ``results`` is given), the oracle from one full-cache
-    pass per token sequence (:func:`oracle_arms`). Both benches of the simulator use it."""
-
-    def __init__(self, model, tokenizer, hd: int, results: dict | None = None):
-        self.model, self.tokenizer, self.hd, self.results = model, tokenizer, hd, results
-        self.filters = None
-
-    def default_filters(self):
-        if self.filters is None:
-            self.filters, origin = default_filters(self.model, self.tokenizer)
-            if self.results is not None:
-                self.results["default_filters"] = re.sub(r"/tmp/\S+ ", "", origin)
-        return self.filters
-
-    def for_tokens(self, tokens, todo) -> dict:
-        """``{(arm, budget): MaskedArm}`` for ``todo`` (``(arm, budget)`` pairs) on ``tokens``."""
-        bs = [b for arm, b in todo if arm == "oracle"]
-        oracles = dict(zip(bs, oracle_arms(self.model, tokens, [config("oracle", b, self.hd) for b in bs]))) \
-            if bs else {}
-        return {(arm, b): oracles[b] if arm == "oracle" else MaskedArm(
-            config(arm, b, self.hd), filters=self.default_filters() if arm == "default" else None)
-            for arm, b in todo}
+def cell_fails(ppl: float, streaming_ppl: float, full_ppl: float) -> bool:
+    """The cell rule: ``ppl > streaming_ppl + 0.10 * (streaming_ppl - full_ppl) + 0.005 * full_ppl``."""
+    return ppl > streaming_ppl + CELL_GAP * (streaming_ppl - full_ppl) + CELL_FULL * full_ppl
 
 
 def run(a, results: dict, save) -> None:
@@ -169,7 +132,7 @@ def run(a, results: dict, save) -> None:
             nll = full_cache_nll(model, ids, PREFIX)
             cells["full"] = {"ppl": perplexity(nll), "nll": [round(x, 5) for x in nll]}
             save()
-        todo = [(arm, b) for b in a.budgets for arm in ARMS if f"{arm}@{b}" not in cells]
+        todo = [(arm, b) for b in a.budgets for arm in a.arms if f"{arm}@{b}" not in cells]
         tic = time.perf_counter()
         masked = arms.for_tokens(ids, todo)
         print(f"{seg} arms for {todo} (oracle scores, default filters): {time.perf_counter() - tic:.0f} s",
@@ -185,53 +148,59 @@ def run(a, results: dict, save) -> None:
                   flush=True)
 
 
-def complete(results: dict) -> tuple[list, list]:
-    """The segments with every arm measured at every budget any cell has (in :data:`SEGMENTS`
-    order), and those budgets."""
+def complete(results: dict) -> tuple[list, list, list]:
+    """The segments with every arm of :data:`BASE_ARMS` measured at every budget any cell has
+    (in :data:`SEGMENTS` order), those budgets, and the arms measured on all of them."""
     segs = results.get("segments", {})
     budgets = sorted({c["budget"] for cells in segs.values() for k, c in cells.items() if k != "full"})
     done = [s for s in SEGMENTS if s in segs and "full" in segs[s]
-            and all(f"{arm}@{b}" in segs[s] for arm in ARMS for b in budgets)]
-    return done, budgets
+            and all(f"{arm}@{b}" in segs[s] for arm in BASE_ARMS for b in budgets)]
+    arms = [arm for arm in ARMS if done and all(f"{arm}@{b}" in segs[s] for s in done for b in budgets)]
+    return done, budgets, arms
 
 
 def statistics(results: dict) -> dict:
     """Pooled ratios with intervals, per-cell ratios and memory-equivalence (JSON-ready)."""
-    segs, budgets = complete(results)
+    segs, budgets, arms = complete(results)
     S = results["segments"]
     full = [S[s]["full"]["nll"] for s in segs]
-    cells = {(arm, b): [S[s][f"{arm}@{b}"]["nll"] for s in segs] for arm in ARMS for b in budgets}
+    cells = {(arm, b): [S[s][f"{arm}@{b}"]["nll"] for s in segs] for arm in arms for b in budgets}
     pooled = pooled_ratio_bootstrap(cells, full, block=64, n_boot=2000, seed=0)
     per_cell = {arm: {s: {b: gap_ratio(S[s][f"{arm}@{b}"]["nll"], S[s][f"streaming_llm@{b}"]["nll"],
                                        S[s]["full"]["nll"]) for b in budgets} for s in segs}
-                for arm in ARMS if arm != "streaming_llm"}
-    ppl = {arm: {b: float(np.exp(np.mean([np.mean(x) for x in cells[(arm, b)]]))) for b in budgets} for arm in ARMS}
+                for arm in arms if arm != "streaming_llm"}
+    ppl = {arm: {b: float(np.exp(np.mean([np.mean(x) for x in cells[(arm, b)]]))) for b in budgets} for arm in arms}
     full_ppl = float(np.exp(np.mean([np.mean(x) for x in full])))
     sl = [ppl["streaming_llm"][b] for b in budgets]
     equiv = {arm: {b: equivalent_budget(budgets, sl, ppl[arm][b]) for b in budgets}
-             for arm in ARMS if arm != "streaming_llm"} if len(budgets) > 1 else None
-    return {"segments": segs, "budgets": budgets, "pooled": pooled, "per_cell": per_cell, "ppl": ppl,
-            "full_ppl": full_ppl, "equivalent_budget": equiv}
+             for arm in arms if arm != "streaming_llm"} if len(budgets) > 1 else None
+    fails = {arm: {s: {b: cell_fails(S[s][f"{arm}@{b}"]["ppl"], S[s][f"streaming_llm@{b}"]["ppl"],
+                                      S[s]["full"]["ppl"]) for b in budgets} for s in segs} for arm in per_cell}
+    return {"segments": segs, "budgets": budgets, "arms": arms, "cell_fails": fails, "pooled": pooled,
+            "per_cell": per_cell, "ppl": ppl, "full_ppl": full_ppl, "equivalent_budget": equiv}
 
 
 def markdown(results: dict, st: dict) -> str:
-    budgets, segs = st["budgets"], st["segments"]
+    budgets, segs, arms = st["budgets"], st["segments"], st["arms"]
+    rivals = arms[1:]
     title = get_model(results.get("model")).title
-    lines = [f"# Held-out perplexity: StreamingLLM, the default, the oracle ({title})", "",
+    heads = heads_note(results) if "heads" in arms else ""
+    lines = [f"# Held-out perplexity: StreamingLLM, the default, the oracle"
+             f"{', head groups' if 'heads' in arms else ''} ({title})", "",
              "Commands:", "", *[f"    {c}" for c in results["commands"]], "",
              f"Simulated streaming eviction, {PREFIX}-token first call then token by token, "
              f"{results['settings']['tokens'] - PREFIX} scored tokens per segment, 4 sinks; "
              "default and oracle: recent window budget/2. "
-             f"Default filters: {re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}.", "",
+             f"Default filters: {re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}." + (f" {heads}" if heads else ""), "",
              "Segments: " + "; ".join(f"`{s}`: {results['segment_sources'][s]}" for s in segs) + ".", "",
              "Perplexity pooled over the segments (exp of the mean NLL of all scored tokens):", ""]
     rows = [["full cache"] + [f"{st['full_ppl']:.3f}"] * len(budgets)]
-    rows += [[arm] + [f"{st['ppl'][arm][b]:.3f}" for b in budgets] for arm in ARMS]
+    rows += [[arm] + [f"{st['ppl'][arm][b]:.3f}" for b in budgets] for arm in arms]
     lines += common.md_table(["arm"] + [f"budget {b}" for b in budgets], rows, "l" + "r" * len(budgets))
     lines += ["", "Pooled gap ratio to StreamingLLM [95% segments-then-blocks bootstrap interval] "
               "(below 1: fewer perplexity points lost than StreamingLLM):", ""]
     rows = []
-    for arm in ("default", "oracle"):
+    for arm in rivals:
         p = st["pooled"][arm]
         rows.append([arm] + [f"{p[b][0]:.3f} [{p[b][1]:.3f}, {p[b][2]:.3f}]" for b in budgets]
                     + [f"{p['all'][0]:.3f} [{p['all'][1]:.3f}, {p['all'][2]:.3f}]"])
@@ -241,20 +210,20 @@ def markdown(results: dict, st: dict) -> str:
                   "as a multiple of B (interpolated in log budget; * extrapolated beyond the measured budgets):",
                   ""]
         rows = []
-        for arm in ("default", "oracle"):
+        for arm in rivals:
             e = st["equivalent_budget"][arm]
             rows.append([arm] + [f"x{e[b][0] / b:.2f}{'*' if e[b][1] else ''} ({e[b][0]:.0f})" for b in budgets])
         lines += common.md_table(["arm"] + [f"budget {b}" for b in budgets], rows)
     lines += ["", "Gap ratio to StreamingLLM per segment (point estimates):", ""]
     rows = []
-    for arm in ("default", "oracle"):
+    for arm in rivals:
         for s in segs:
             r = st["per_cell"][arm][s]
             rows.append([arm, s] + [f"{r[b]:.2f}" for b in budgets])
     lines += common.md_table(["arm", "segment"] + [f"budget {b}" for b in budgets], rows)
     S = results["segments"]
-    lines += ["", "Perplexity per segment, full cache / StreamingLLM / default / oracle:", ""]
-    rows = [[s, f"{S[s]['full']['ppl']:.2f}"] + [" / ".join(f"{S[s][f'{arm}@{b}']['ppl']:.2f}" for arm in ARMS)
+    lines += ["", f"Perplexity per segment, full cache / {' / '.join(arms)}:", ""]
+    rows = [[s, f"{S[s]['full']['ppl']:.2f}"] + [" / ".join(f"{S[s][f'{arm}@{b}']['ppl']:.2f}" for arm in arms)
                                                  for b in budgets] for s in segs]
     lines += common.md_table(["segment", "full"] + [f"budget {b}" for b in budgets], rows)
     d = st["pooled"]["default"]
@@ -266,6 +235,17 @@ def markdown(results: dict, st: dict) -> str:
               f"({'met' if ok_cell else 'not met'}); per budget, upper bounds "
               + ", ".join(f"{b}: {d[b][2]:.3f}" for b in budgets)
               + f". **G1 {'met' if ok_pool and ok_cell else 'not met'}.**", ""]
+    lines += [f"Cell rule: a cell fails when the arm's perplexity exceeds StreamingLLM's by more than "
+              f"{CELL_GAP:.0%} of StreamingLLM's gap (StreamingLLM - full) plus {CELL_FULL:.1%} of the full "
+              "cache's perplexity (allowed: the largest perplexity that passes):", ""]
+    rows = [[arm, s, f"b{b}", f"{S[s]['full']['ppl']:.3f}", f"{S[s][f'streaming_llm@{b}']['ppl']:.3f}",
+             f"{S[s][f'streaming_llm@{b}']['ppl'] * (1 + CELL_GAP) - S[s]['full']['ppl'] * (CELL_GAP - CELL_FULL):.3f}",
+             f"{S[s][f'{arm}@{b}']['ppl']:.3f}", "fail" if st["cell_fails"][arm][s][b] else "pass"]
+            for arm in rivals for b in budgets for s in segs]
+    lines += common.md_table(["arm", "segment", "budget", "full", "StreamingLLM", "allowed", "arm", "cell"], rows)
+    lines += [""] + [f"- {arm}: {sum(f for c in st['cell_fails'][arm].values() for f in c.values())} of "
+                     f"{len(segs) * len(budgets)} cells fail; pooled gap ratio {st['pooled'][arm]['all'][0]:.3f} "
+                     f"[{st['pooled'][arm]['all'][1]:.3f}, {st['pooled'][arm]['all'][2]:.3f}]" for arm in rivals] + [""]
     return "\n".join(lines)
 
 
@@ -275,9 +255,12 @@ def main() -> int:
     p.add_argument("--budgets", type=common.int_list, default=list(BUDGETS))
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per segment (prefix included)")
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS), help="arms to run (of ARMS)")
     p.add_argument("--report", action="store_true", help="only rewrite the tables from the results")
     common.add_model_arg(p)
     a = p.parse_args()
+    if set(a.arms) - set(ARMS):
+        p.error(f"--arms: unknown {sorted(set(a.arms) - set(ARMS))}; known: {', '.join(ARMS)}")
     for s in a.segments:
         segment_text(s)  # unknown names refused before the model loads
     out = common.Path(a.out)
@@ -298,7 +281,7 @@ def main() -> int:
             out.write_text(json.dumps(results))
 
         run(a, results, save)
-    segs, _ = complete(results)
+    segs, _, _ = complete(results)
     if segs:
         st = statistics(results)
         results["statistics"] = json.loads(json.dumps(st, default=float))

@@ -22,7 +22,11 @@ on those), with exact (Clopper-Pearson) 95% intervals (``scipy.stats.binomtest``
 Arms: ``streaming_llm``; ``default`` (the filter ``for_model`` calibrates on first use, recent
 budget/2); ``oracle`` (the default's keep rule, each key scored by the attention it receives in the
 full-cache pass of the same sequence, question and answer included, from the queries after it left
-the recent window: :func:`qfilters_mlx.evaluation.oracle.oracle_arms`).
+the recent window: :func:`qfilters_mlx.evaluation.oracle.oracle_arms`); ``heads``
+(``heads="calibrated"``: the per-head budgets and windows of
+:func:`qfilters_mlx.cache.head_group_build.resolve_heads` at the budget, with the default's filter;
+``--arms`` runs some arms only, keeping the others' cells). The shares count the arms run on every
+prompt the full cache recalls.
 
 Usage (resumable; ``--report`` rewrites the tables only)::
 
@@ -30,6 +34,9 @@ Usage (resumable; ``--report`` rewrites the tables only)::
     python bench/bench_recall_beyond_window.py --kept   # is the needle in the cache at the answer?
     python bench/bench_recall_beyond_window.py --context 950 --budgets 256,128 \
         --out bench/results/recall_beyond_window_1k.json   # prompts of about 1,070 tokens
+    python bench/bench_recall_beyond_window.py --arms heads   # head groups added to the results
+    python bench/bench_recall_beyond_window.py --context 1400 --depths 0.1,0.3 --budgets 384,192 \
+        --arms streaming_llm,default,heads --out bench/results/recall_beyond_window_long.json
     python bench/bench_recall_beyond_window.py --model qwen2.5-coder-0.5b \
         --out bench/results/recall_beyond_window_qwen.json   # another registered model
 
@@ -50,7 +57,7 @@ import numpy as np
 from mlx_lm import load
 from scipy.stats import binomtest
 
-from bench_held_out_perplexity import Arms
+from sim_arms import Arms, heads_note
 from qfilters_mlx.assets.models import get_model
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import source_text
@@ -60,7 +67,7 @@ from qfilters_mlx.evaluation.simulate import simulated_predictions
 
 CONTEXT, PREFIX = 400, 32
 BUDGETS = (128, 64)
-ARMS = ("streaming_llm", "default", "oracle")
+ARMS = ("streaming_llm", "default", "oracle", "heads")
 OFFSETS = (200_000, 215_000, 230_000, 245_000)
 DEPTHS = (0.1, 0.3, 0.5)
 OUT = common.RESULTS / "recall_beyond_window.json"
@@ -88,7 +95,7 @@ def run(a, results: dict, save) -> None:
             if not cell["full"]["recalled"]:
                 print(f"{name}: the full cache misses it; arms not run", flush=True)
                 continue
-            todo = [(arm, b) for b in a.budgets for arm in ARMS if f"{arm}@{b}" not in cell]
+            todo = [(arm, b) for b in a.budgets for arm in a.arms if f"{arm}@{b}" not in cell]
             masked = arms.for_tokens(p.tokens, todo)
             for arm, b in todo:
                 tic = time.perf_counter()
@@ -121,46 +128,52 @@ def needle_kept(model, tokenizer, a, results: dict, save) -> None:
         hay = text[text.index("\n\n", int(off)) + 2:]
         p = needle_prompt(tokenizer, hay, a.context, float(depth), cell["key"])
         (layers,) = keys_and_queries(model, [p.tokens[:-1]])
-        masked = arms.for_tokens(p.tokens, [(arm, b) for b in a.budgets for arm in ARMS])
+        masked = arms.for_tokens(p.tokens, [(arm, b) for b in a.budgets for arm in a.arms])
         t = p.key_positions[0] - 1  # the query that predicts the answer's first key token
         needle = range(p.needle_position, p.needle_position + len(p.key_positions))
         kept, held = {}, {}
         for b in a.budgets:
-            for arm in ARMS:
+            for arm in a.arms:
                 m = masked[arm, b]
                 hits = []
                 for layer, (keys, _, _) in enumerate(layers):
                     sc = np.array(m.scores(layer, mx.array(keys)[None]).astype(mx.float32))[0]
-                    mask = keep_masks(sc, b, 4, m.windows(layer, keys.shape[0]), PREFIX)
+                    mask = keep_masks(sc, m.budget(layer), 4, m.windows(layer, keys.shape[0]), PREFIX)
                     hits.append(mask[:, t, list(needle)])
                 held[arm] = np.stack(hits)  # [layers, KV heads, key tokens]
                 kept[f"{arm}@{b}"] = float(held[arm].mean())
-            for arm in ARMS:  # of the (layer, head, token) the oracle holds, the share this arm holds too
+            for arm in a.arms if "oracle" in a.arms else ():  # of the (layer, head, token) the oracle holds, the share this arm holds too
                 kept[f"{arm}@{b} of oracle"] = float((held[arm] & held["oracle"]).sum() / max(1, held["oracle"].sum()))
         cell["kept"] = kept
         save()
         print(f"{name} needle kept: " + ", ".join(f"{k} {v:.2f}" for k, v in kept.items()), flush=True)
 
 
+def arms_run(results: dict) -> list[str]:
+    """The arms of :data:`ARMS` with a cell on some prompt."""
+    return [arm for arm in ARMS if any(k.startswith(f"{arm}@") for c in results["prompts"].values() for k in c)]
+
+
 def summary(results: dict) -> dict:
     """Per (arm, budget): recalled / prompts the full cache recalls, its exact 95% interval,
-    and the median key NLL (nats), over the prompts where every arm has run."""
+    and the median key NLL (nats), over the prompts where every arm run (:func:`arms_run`) has run."""
     P = results["prompts"]
-    budgets = results["settings"]["budgets"]
+    budgets, arms = results["settings"]["budgets"], arms_run(results)
     hits = [n for n, c in P.items() if c.get("full", {}).get("recalled")]
-    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in ARMS for b in budgets)]
-    out = {"prompts": len(P), "full_recalled": len(hits), "counted": len(done), "cells": {}}
+    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in arms for b in budgets)]
+    out = {"prompts": len(P), "full_recalled": len(hits), "counted": len(done), "arms": arms, "cells": {}}
     for b in budgets:
-        for arm in ARMS:
+        for arm in arms:
             k = sum(P[n][f"{arm}@{b}"]["recalled"] for n in done)
             ci = binomtest(k, len(done)).proportion_ci(0.95, method="exact") if done else None
             out["cells"][f"{arm}@{b}"] = {
                 "recalled": k, "of": len(done), "low": ci.low if ci else None, "high": ci.high if ci else None,
                 "median_key_nll": float(np.median([P[n][f"{arm}@{b}"]["key_nll"] for n in done])) if done else None,
                 "needle_kept": (float(np.mean([P[n]["kept"][f"{arm}@{b}"] for n in done]))
-                                if done and all("kept" in P[n] for n in done) else None),
-                "needle_kept_of_oracle": (float(np.mean([P[n]["kept"][f"{arm}@{b} of oracle"] for n in done]))
-                                          if done and all("kept" in P[n] for n in done) else None)}
+                                if done and all(f"{arm}@{b}" in P[n].get("kept", {}) for n in done) else None),
+                "needle_kept_of_oracle": (
+                    float(np.mean([P[n]["kept"][f"{arm}@{b} of oracle"] for n in done]))
+                    if done and all(f"{arm}@{b} of oracle" in P[n].get("kept", {}) for n in done) else None)}
     out["median_full_key_nll"] = float(np.median([P[n]["full"]["key_nll"] for n in done])) if done else None
     return out
 
@@ -176,30 +189,31 @@ def markdown(results: dict, s: dict) -> str:
              f"{s['prompts']} prompts of {min(ptoks)}-{max(ptoks)} tokens (key {min(dist)}-{max(dist)} tokens before "
              f"the end of the prompt); the full cache recalls the key in {s['full_recalled']} of them; "
              f"shares below over the {s['counted']} of those where every arm ran. Default filters: "
-             f"{re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}.", "",
+             f"{re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}."
+             + (f" {heads_note(results)}" if "heads" in s["arms"] else ""), "",
              "Recalled / prompts the full cache recalls [exact 95% interval]; median NLL of the key's "
              f"tokens in nats (full cache: {s['median_full_key_nll']:.2f}); key kept: the share of (layer, KV "
              "head, key token) where the needle's key tokens are in the cache when the answer's first key "
              "token is predicted, and in brackets the share of the (layer, KV head, key token) the oracle keeps "
              "that the arm keeps too (means over prompts; `--kept`):", ""]
-    rows = []
-    for arm in ARMS:
+    rows, arms = [], s["arms"]
+    for arm in arms:
         row = [arm]
         for b in budgets:
             c = s["cells"][f"{arm}@{b}"]
-            kept = ("" if c["needle_kept"] is None else
-                    f"; key kept {c['needle_kept']:.0%} ({c['needle_kept_of_oracle']:.0%} of the oracle's)")
+            kept = ("" if c["needle_kept"] is None else f"; key kept {c['needle_kept']:.0%}" + (
+                "" if c["needle_kept_of_oracle"] is None else f" ({c['needle_kept_of_oracle']:.0%} of the oracle's)"))
             row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; "
                        f"NLL {c['median_key_nll']:.2f}{kept}")
         rows.append(row)
     head = [f"budget {b} (x{np.mean(ptoks) / b:.1f})" for b in budgets]
     lines += common.md_table(["arm"] + head, rows)
     lines += ["", "Per prompt (offset@depth: key distance; R recalled, - missed; order: "
-              + ", ".join(f"{arm}@{b}" for b in budgets for arm in ARMS) + "):", ""]
+              + ", ".join(f"{arm}@{b}" for b in budgets for arm in arms) + "):", ""]
     rows = []
     for n, c in P.items():
         marks = " ".join(("R" if c[f"{arm}@{b}"]["recalled"] else "-") if f"{arm}@{b}" in c else "."
-                         for b in budgets for arm in ARMS)
+                         for b in budgets for arm in arms)
         rows.append([n, c["needle_distance"], "R" if c["full"]["recalled"] else "-", marks])
     lines += common.md_table(["prompt", "key distance", "full", "arms"], rows)
     return "\n".join(lines) + "\n"
@@ -212,10 +226,13 @@ def main() -> int:
     p.add_argument("--budgets", type=common.int_list, default=list(BUDGETS))
     p.add_argument("--context", type=int, default=CONTEXT, help="context tokens around the key")
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS), help="arms to run (of ARMS)")
     p.add_argument("--report", action="store_true")
     p.add_argument("--kept", action="store_true", help="only measure whether the needle is in the cache")
     common.add_model_arg(p)
     a = p.parse_args()
+    if set(a.arms) - set(ARMS):
+        p.error(f"--arms: unknown {sorted(set(a.arms) - set(ARMS))}; known: {', '.join(ARMS)}")
     out = common.Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("meta", common.run_meta(python=sys.version.split()[0]))

@@ -220,6 +220,31 @@ def test_budgets_per_layer_equal_caches_of_those_budgets_fed_token_by_token():
     assert MaskedArm(cfg, filters=filters).budget(1) == 24
 
 
+@pytest.mark.parametrize("prefix", [1, 20])
+def test_budgets_per_head_of_a_head_budgets_equal_its_head_group_caches_fed_token_by_token(prefix):
+    # the simulator's arm of heads=HeadBudgets (what bench/sim_arms.py judges) against the
+    # caches KVCacheBuilder builds for it: a HeadGroupsKVCache where a layer has two budgets
+    from qfilters_mlx.cache.head_group_build import layer_cache
+    from qfilters_mlx.cache.head_groups import HeadGroupsKVCache
+    from qfilters_mlx.filters.head_budgets import head_budgets
+
+    filters = _filters()
+    model = tiny_llama(seed=1)
+    tokens = np.random.default_rng(2).integers(0, 101, 70).tolist()
+    cfg = KVCacheConfig(method="qfilters", head_dim=HD, qfilters_budget=12, qfilters_n_sink=2)
+    hb = head_budgets(np.array([[0.1, 0.9, 0.2], [0.3, 0.0, 0.4]]), 12, 2, n_big=1, multiple=3)
+    assert hb.budgets == ((7, 36, 7), (7, 7, 7)) and hb.recents == ((3,) * 3,) * 2  # the rule by hand
+    caches = [layer_cache(cfg, hb.groups(i), i, filters[i], lambda gc, gf, _l=i: build_cache(gc, _l, filters=gf))
+              for i in range(2)]
+    assert isinstance(caches[0], HeadGroupsKVCache) and not isinstance(caches[1], HeadGroupsKVCache)
+    want = streaming_nll(model, tokens, caches, prefix)
+    arm = MaskedArm(cfg, filters=filters, budgets=hb.budgets, recents=hb.recents)
+    got = simulated_nll(model, tokens, arm, prefix)
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    one = simulated_nll(model, tokens, MaskedArm(cfg, filters=filters), prefix)  # 12 everywhere
+    assert np.abs(np.array(one) - np.array(want)).max() > 1e-3
+
+
 def test_budgets_per_layer_are_checked():
     cfg = KVCacheConfig(method="streaming_llm", head_dim=HD, qfilters_budget=16, qfilters_n_sink=4)
     for bad in ((16, 4), (16, 2.5), (16, True), (16, "8")):

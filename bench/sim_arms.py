@@ -1,0 +1,103 @@
+"""The simulator's arms shared by the benches of the simulator (held-out perplexity, recall
+beyond the window, KV directions, head rule): StreamingLLM, the default (its filter made as a
+first use makes it), the oracle and head groups (``heads="calibrated"``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from qfilters_mlx.config import KVCacheConfig
+from qfilters_mlx.evaluation.oracle import oracle_arms
+from qfilters_mlx.evaluation.simulate import MaskedArm
+
+N_SINK = 4
+
+
+def default_filters(model, tokenizer):
+    """The filter ``KVCacheBuilder.for_model`` makes on first use (a fresh filters home, so no
+    stored file is found): ``(filters [L, H_kv, D], origin)``."""
+    from qfilters_mlx.filters.default_filters import resolve_filters
+
+    before = os.environ.get("QFILTERS_MLX_HOME")
+    with tempfile.TemporaryDirectory() as home:
+        os.environ["QFILTERS_MLX_HOME"] = home
+        try:
+            r = resolve_filters(model, KVCacheConfig(), tokenizer=tokenizer)
+        finally:
+            if before is None:
+                del os.environ["QFILTERS_MLX_HOME"]
+            else:
+                os.environ["QFILTERS_MLX_HOME"] = before
+    return r.filters, r.origin
+
+
+def config(arm: str, budget: int, hd: int) -> KVCacheConfig:
+    if arm == "streaming_llm":
+        return KVCacheConfig(method="streaming_llm", head_dim=hd, qfilters_budget=budget, qfilters_n_sink=N_SINK)
+    return KVCacheConfig(method="qfilters", head_dim=hd, qfilters_budget=budget, qfilters_n_sink=N_SINK)
+
+
+class Arms:
+    """The simulator's arms of one run, by name: ``streaming_llm`` and ``default`` by their
+    :func:`config` (the default filters made on first use, their origin recorded in
+    ``results["default_filters"]`` when ``results`` is given), ``oracle`` from one full-cache
+    pass per token sequence (:func:`oracle_arms`), ``heads`` by :meth:`heads_arm`."""
+
+    def __init__(self, model, tokenizer, hd: int, results: dict | None = None):
+        self.model, self.tokenizer, self.hd, self.results = model, tokenizer, hd, results
+        self.filters, self.heads = None, {}
+
+    def default_filters(self):
+        if self.filters is None:
+            self.filters, origin = default_filters(self.model, self.tokenizer)
+            if self.results is not None:
+                self.results["default_filters"] = re.sub(r"/tmp/\S+ ", "", origin)
+        return self.filters
+
+    def heads_arm(self, budget: int) -> MaskedArm:
+        """``heads="calibrated"`` at ``budget``: :func:`resolve_heads` on the default's config,
+        with the default's filters (the ranking's origin and the big heads in ``results``)."""
+        from qfilters_mlx.cache.head_group_build import resolve_heads
+        from qfilters_mlx.filters.head_store import resolve_head_ranking
+
+        cfg = config("heads", budget, self.hd)
+        if budget not in self.heads:
+            self.heads[budget] = resolve_heads("calibrated", self.model, cfg, self.tokenizer)
+            if self.results is not None:
+                hb = self.heads[budget]
+                self.results["heads_ranking"] = resolve_head_ranking(self.model, self.tokenizer).origin
+                self.results.setdefault("heads", {})[str(budget)] = {
+                    "big": [[i, h] for i, row in enumerate(hb.budgets) for h, x in enumerate(row)
+                            if x > budget], "budgets": hb.budgets, "recents": hb.recents,
+                    "total_tokens": hb.total_tokens}
+        hb = self.heads[budget]
+        return MaskedArm(cfg, filters=self.default_filters(), budgets=hb.budgets, recents=hb.recents)
+
+    def for_tokens(self, tokens, todo) -> dict:
+        """``{(arm, budget): MaskedArm}`` for ``todo`` (``(arm, budget)`` pairs) on ``tokens``."""
+        bs = [b for arm, b in todo if arm == "oracle"]
+        oracles = dict(zip(bs, oracle_arms(self.model, tokens, [config("oracle", b, self.hd) for b in bs]))) \
+            if bs else {}
+        return {(arm, b): oracles[b] if arm == "oracle" else self.heads_arm(b) if arm == "heads" else MaskedArm(
+            config(arm, b, self.hd), filters=self.default_filters() if arm == "default" else None)
+            for arm, b in todo}
+
+
+def heads_note(results: dict) -> str:
+    """One sentence for a results table: where the ``heads`` arm's ranking came from, and per
+    budget its big heads, their budget, the other heads' budget, the recent windows and the
+    tokens held (from ``results["heads"]``, written by :meth:`Arms.heads_arm`)."""
+    ranking = results["heads_ranking"]
+    where = f"`{ranking.split(' (')[0].rsplit('/', 1)[-1]}` ({ranking.split(' (', 1)[1]}"
+    per = []
+    for b, v in results["heads"].items():
+        sizes = sorted({x for row in v["budgets"] for x in row})
+        recent = sorted({x for row in v["recents"] for x in row})
+        per.append(f"at budget {b} the {len(v['big'])} big heads (layer, KV head) "
+                   f"{', '.join(f'({i}, {h})' for i, h in v['big'])} hold {sizes[-1]} tokens, the other heads "
+                   f"{sizes[0]}, recent window {', '.join(map(str, recent))} for all, {v['total_tokens']} tokens "
+                   f"held in all (one budget everywhere: {int(b) * sum(len(row) for row in v['budgets'])})")
+    return ("Head groups (`heads`): `resolve_heads(\"calibrated\")`, the rule of docs/head-groups.md over "
+            f"the stored ranking {where}, with the default's filters; " + "; ".join(per) + ".")
