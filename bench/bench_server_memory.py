@@ -268,7 +268,8 @@ def _cells(res):
 
 
 def markdown(res) -> str:
-    runs = "; ".join(f"`{r['command']}` (load average at start {r['meta']['loadavg_start'][0]:.1f})"
+    runs = "; ".join(f"`{r['command']}` (load average at start {r['meta']['loadavg_start'][0]:.1f}; code "
+                     f"{r['meta'].get('code', {}).get('git_head', '?')})"
                      for r in res["runs"])
     lines = ["# `qfilters-mlx server` vs `mlx_lm.server`: memory and reuse per conversation "
              "(SmolLM2-135M float32)", "",
