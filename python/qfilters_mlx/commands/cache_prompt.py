@@ -65,10 +65,10 @@ def run(parser, args, blas_library: str | None = None) -> int:
 
     model, tokenizer = generation.load_model(parser, args, model_path)
     tokens = generation.build_prompt(parser, args, tokenizer, text, continue_final=True)
+    heads = cache_options.heads_from_args(args, config)
     try:
         caches = cache_options.builder_from_args(parser, args).for_model(
-            model, config, tokenizer=tokenizer, model_path=model_path,
-            heads=cache_options.heads_from_args(args, config))
+            model, config, tokenizer=tokenizer, model_path=model_path, heads=heads)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         parser.error(str(err))
     progress = generation.prefill_progress()
@@ -79,7 +79,7 @@ def run(parser, args, blas_library: str | None = None) -> int:
             pass
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", file=sys.stderr)
     tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else {}
-    described = cache_options.describe_config(config, cache_options.heads_from_args(args, config))
+    described = cache_options.describe_config(config, heads)
     metadata = {"model": str(model_path), "tokenizer_config": json.dumps(tokenizer_config),
                 "qfilters_config": described}
     save_prompt_cache(args.prompt_cache_file, caches, metadata)

@@ -6,6 +6,8 @@ blocks (:func:`map_large_blocks`)."""
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["MMAP_THRESHOLD", "journal_rows", "map_large_blocks", "process_memory", "release_freed",
            "request_summary", "stored_rows"]
 
@@ -71,13 +73,14 @@ def _malloc_trim():
     return _libc("malloc_trim")
 
 
+@functools.cache
 def _libc(name: str):
-    """The C library's function ``name``, or ``None`` where it has none."""
+    """The C library's function ``name`` as the process already links it (no library search,
+    looked up once), or ``None`` where it has none."""
     import ctypes
-    import ctypes.util
 
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
 
