@@ -39,11 +39,12 @@ def test_kv_bits_with_a_draft_model_is_refused_at_start_for_eviction_caches(meth
     (mlx-lm's own server would keep the drafts); the full cache never evicts and goes on."""
     import argparse
 
+    parser = build_parser()  # (imports every command first: none binds the patched function below)
     monkeypatch.setattr("qfilters_mlx.commands.model_path.resolve_model",
                         lambda *a: (_ for _ in ()).throw(RuntimeError("past the check")))
     args = argparse.Namespace(server_args=["--method", method, "--draft-model", "d", "--kv-bits", "4"])
     with pytest.raises(SystemExit if refused else RuntimeError):
-        server.run(build_parser(), args)
+        server.run(parser, args)
     assert ("--kv-bits with --draft-model" in capsys.readouterr().err) is refused
 
 
