@@ -114,7 +114,7 @@ def test_stored_short_conversations_hold_their_rows_and_bytes_are_the_caches(ser
     layers, kv_heads, head_dim = 30, 3, 64
     row_bytes = kv_heads * (2 * head_dim * 4 + 4 + 8)
     filter_bytes = stored["sequences"] * layers * kv_heads * head_dim * 4
-    caches = stored["bytes"] - stored["index_bytes"]  # (the token lists and trie nodes besides)
+    caches = stored["bytes"] - stored["index_bytes"]  # (the packed token keys and trie besides)
     assert caches == stored["rows_per_layer"] * row_bytes * layers + filter_bytes, stored
     assert stored["index_bytes"] > 0
     assert stored["process"]["active_bytes"] > stored["bytes"]

@@ -78,10 +78,10 @@ def test_stored_conversations_are_bounded_by_health_and_by_active_memory(model_p
         server.stop()
     last = seen[-1]
     assert last["conversations"] == 4 and last["checkpoints"] == 1  # (the shared system prompt)
-    caches = last["bytes"] - last["index_bytes"]  # (the token lists and trie: Python's heap)
+    caches = last["bytes"] - last["index_bytes"]  # (the packed token keys and trie: Python's heap)
     assert caches <= 4 * BOUND + BOUND, last
     assert caches / 4 <= BOUND * 1.25, last  # (the system prompt's share)
-    assert 0 < last["index_bytes"] <= 300 * 4 * 1000, last  # (about 260 B per stored token)
+    assert 0 < last["index_bytes"] <= 16 * 4 * 1000, last  # (about 6 B per stored token)
     grew = [b["process"]["active_bytes"] - a["process"]["active_bytes"] for a, b in zip(seen, seen[1:])]
     counted = [(b["bytes"] - b["index_bytes"]) - (a["bytes"] - a["index_bytes"])
                for a, b in zip(seen, seen[1:])]

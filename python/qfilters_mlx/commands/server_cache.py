@@ -57,7 +57,7 @@ from qfilters_mlx.commands.server_calls import (PREFILL, drops_prefix, rewind_re
                                                 rows_back_to)
 from qfilters_mlx.commands.server_memory import (journal_rows, process_memory, release_freed, request_summary,
                                                  stored_rows)
-from qfilters_mlx.commands.server_trie import key_nbytes
+from qfilters_mlx.commands.server_trie import compact_order_class, key_nbytes, prompt_trie_class
 
 __all__ = ["CHECKPOINT_TYPES", "prompt_cache_class"]
 
@@ -87,9 +87,8 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
     """``LRUPromptCache`` of ``cache_module`` (``mlx_lm.models.cache``) as described above:
     ``StoredConversations(max_size, max_bytes=None)``. ``journal_at_rest``: rows of rewind
     journal a stored checkpoint keeps (``None``: each cache's ``max_rewind``)."""
-    from qfilters_mlx.commands.server_trie import linear_trie_class
-
-    LinearTrie = linear_trie_class(cache_module)
+    PromptTrie = prompt_trie_class(cache_module)
+    CompactOrder = compact_order_class(cache_module)
 
     class StoredConversations(cache_module.LRUPromptCache):
         """mlx-lm's prompt cache holding, per conversation, at most a prompt checkpoint and
@@ -110,7 +109,8 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
 
         def __init__(self, max_size: int = 10, max_bytes: int | None = None):
             super().__init__(max_size, 1 << 63 if max_bytes is None else int(max_bytes))
-            self._trie = LinearTrie()
+            self._trie = PromptTrie()
+            self._lru = CompactOrder()
             self.finishing = False
             self.requests_stored = 0  # requests whose final cache was handed in (stored or not)
             self.prefill_step = 0
@@ -132,8 +132,8 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
 
         @property
         def nbytes(self) -> int:
-            """Bytes of every stored entry: the caches' ``nbytes``, their token lists and the
-            prompt trie's nodes (:func:`~.server_trie.key_nbytes`, ``LinearTrie.nbytes``)."""
+            """Bytes of every stored entry: the caches' ``nbytes``, their packed token keys and
+            the prompt trie (:func:`~.server_trie.key_nbytes`, ``PromptTrie.nbytes``)."""
             return self._n_bytes + self._trie.nbytes
 
         def _rest_rows(self, cache) -> int:
@@ -161,7 +161,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                 return None
             _, old, common = served
             end = self._prompt_ends.get(_key(model, old))
-            if end is None or (model, old) not in self._lru._lrus["assistant"]:
+            if end is None or not self._lru.holds(model, old, "assistant"):
                 return None
             return old, common, end
 
@@ -252,9 +252,9 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                     self._prompt_ends.popitem(last=False)
             lrus = self._lru._lrus
             while len(lrus["assistant"]) > self.max_size:
-                self._drop(*lrus["assistant"][0])
+                self._drop(*self._lru.oldest("assistant"))
             while sum(len(lrus[k]) for k in CHECKPOINT_TYPES) > self.max_size:
-                self._drop(*next(lrus[k][0] for k in CHECKPOINT_TYPES if lrus[k]))
+                self._drop(*self._lru.oldest(next(k for k in CHECKPOINT_TYPES if lrus[k])))
             while self.nbytes > self.max_bytes and len(self._lru):
                 self._drop(*self._lru.pop(), in_lru=False)
             if done:
@@ -319,7 +319,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
         def stored_stats(self) -> dict:
             """``conversations`` (answers) and ``checkpoints`` stored, ``sequences`` (both),
             ``bytes`` they hold (the caches' ``nbytes``, cut to what they hold at rest, and
-            their tokens: ``index_bytes`` of them in token lists and trie nodes;
+            their tokens: ``index_bytes`` of them in packed token keys and the prompt trie;
             ``checkpoint_bytes`` of them in checkpoints), ``bytes_per_conversation``,
             ``max_bytes`` (``None``: no bound), ``rows_per_layer`` summed over the entries
             (:func:`stored_rows`), ``requests`` (requests whose final cache was handed in to be
@@ -334,7 +334,7 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             n = max(out["conversations"], 1)
             for _ in range(5):  # (read from the HTTP thread while the generation loop inserts)
                 try:
-                    keys = [k for lru in self._lru._lrus.values() for k in list(lru)]
+                    keys = self._lru.keys()
                     rows = sum(stored_rows(self._trie.get(m, t).prompt_cache) for m, t in keys)
                     index = self._trie.nbytes + sum(key_nbytes(t) for _, t in keys)
                     return {"sequences": len(keys), "bytes": self.nbytes, "index_bytes": index,
