@@ -182,6 +182,44 @@ def test_shrink_to_fit_keeps_outputs_and_holds_only_what_it_counts(case):
         _same(a, b)
 
 
+def test_packed_decode_steps_rewind_as_the_journal_of_single_steps():
+    """At rest a journal's run of decode steps is one record of stacked arrays (five per run,
+    not five per step); a cache that decodes on after it, a second shrink that cuts the run
+    from its oldest end, and every rewind in reach give the unshrunk cache's kept rows,
+    K/V, scores and next outputs (the journal of single steps: the reference)."""
+    from qfilters_mlx.cache.journal import StepRecord
+    from qfilters_mlx.cache.journal_runs import StepRun
+
+    model = _wide_llama()
+    cfg = config(**WIDE)
+    toks = _tokens(860, 3)
+    build = dict(rewind=40)  # (a quantized cache has no journal)
+    reference = _run(model, cfg, [toks[:800]], toks[800:830], **build)
+    packed = copy.deepcopy(reference)
+    for c in packed:
+        c.shrink_to_fit(24)
+        assert [type(r) for r in c._journal.records] == [StepRun] and c._journal.tokens == 24
+        assert len(c._journal.arrays()) == 5
+    steps = [r for r in reference[0]._journal.records if isinstance(r, StepRecord)]
+    assert len(steps) >= 24
+    for later in toks[830:833]:  # decode on: single steps after the run
+        for caches in (packed, reference):
+            model(mx.array([[later]]), cache=caches)
+    assert [type(r) for r in packed[0]._journal.records] == [StepRun] + [StepRecord] * 3
+    cut = copy.deepcopy(packed)
+    for c in cut:
+        c.shrink_to_fit(10)  # (the run loses its oldest steps)
+        assert c._journal.tokens == 10 and c._journal.rows == 10
+    for caches, reach in ((packed, 27), (cut, 10)):
+        assert min(c.rewindable_tokens for c in caches) == reach
+        for n in range(reach + 1):
+            a, b = copy.deepcopy(caches), copy.deepcopy(reference)
+            assert all(c.trim(n) == n for c in a) and all(c.trim(n) == n for c in b)
+            _same(a, b)
+            x = mx.array([[toks[840 + n % 10]]])
+            assert mx.allclose(model(x, cache=a), model(x, cache=b), atol=1e-4).item()
+
+
 def _store(max_size=10, max_bytes=None):
     return prompt_cache_class(cache_module)(max_size, max_bytes)
 

@@ -107,6 +107,7 @@ def shrink_to_fit(cache, journal_rows: int | None = None) -> None:
         cache.rows = Rows(*(fit(a) for a in cache.rows))
     cache.filter, cache._queries = fit(cache.filter, False), fit(cache._queries, False)
     cache._victim_rows, cache._free = fit(cache._victim_rows, False), fit(cache._free, False)
+    cache._journal.pack_steps()  # (a run of decode steps: five arrays, not five per step)
     cache._journal.map_arrays(mx.contiguous)
     cache.storage.map_arrays(mx.contiguous)
     cache._last_kv = None

@@ -35,12 +35,13 @@ A rewind deeper than the journal raises ``ValueError`` before changing
 anything. Saved prompt caches do not carry the journal: a reloaded cache
 rewinds only what it has seen since it was loaded.
 
-This module holds the records, :class:`RewindJournal` (the records of the newest calls)
-and pure functions on the cache's row arrays ``rows = (keys, values, scores, positions)``
-(each ``[B, H, capacity, ...]``): what an eviction dropped (:func:`dropped_rows`), and
-what undoing one record gives back (:func:`undo_step`, :func:`undo_layout`,
-:func:`undo_call_rows`, :func:`call_head_rows`). ``QFiltersKVCache.trim``
-(:mod:`qfilters_mlx.cache.kv_cache`) pops the records and applies these.
+This module holds the records, :class:`RewindJournal` (the records of the newest calls;
+at rest, runs of decode steps packed: :mod:`.journal_runs`) and what undoing one record
+gives back from the cache's row arrays ``rows = (keys, values, scores, positions)`` (each
+``[B, H, capacity, ...]``; :func:`undo_step`, :func:`undo_layout`, :func:`undo_call_rows`,
+:func:`call_head_rows`; the row functions they use: :mod:`.journal_rows`).
+``QFiltersKVCache.trim`` (:mod:`qfilters_mlx.cache.kv_cache`) pops the records and applies
+these.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-_BIG = 2**62
+from qfilters_mlx.cache.journal_rows import dropped_rows, pad_rows, rows_between, to_slots  # noqa: F401
+from qfilters_mlx.cache.journal_runs import StepRun, pack_runs
 
 
 @dataclass
@@ -122,9 +124,31 @@ class RewindJournal:
             self.tokens -= self.records.popleft().tokens
 
     def pop(self):
-        rec = self.records.pop()
+        rec = self.records[-1]
+        if isinstance(rec, StepRun):  # (its newest step; the run goes with its last one)
+            free, rows, n = rec.pop_last()
+            if not rec.n:
+                self.records.pop()
+            self.tokens -= 1
+            return StepRecord(free=free, rows=rows, n=n)
+        self.records.pop()
         self.tokens -= rec.tokens
         return rec
+
+    def pack_steps(self) -> None:
+        """Hold each run of consecutive slot-mode decode steps as one :class:`StepRun`
+        (same undo data, stacked: five arrays per run instead of five per step)."""
+        self.records = deque(pack_runs(self.records, lambda r: isinstance(r, StepRecord) and r.tokens == 1
+                                       and r.free is not None and r.rows is not None))
+
+    def calls_newest_first(self):
+        """``(tokens, K/V rows)`` of each recorded call, newest first (a packed step run
+        gives one ``(1, 1)`` per step: its steps are calls)."""
+        for r in reversed(self.records):
+            if isinstance(r, StepRun):
+                yield from ((1, 1) for _ in range(r.tokens))
+            else:
+                yield r.tokens, record_rows(r)
 
     def last(self):
         return self.records[-1] if self.records else None
@@ -144,7 +168,12 @@ class RewindJournal:
             raise ValueError(f"keep_rows: limit must be >= 0, got {limit}")
         held = self.rows
         while self.records and held > limit:
-            old = self.records.popleft()
+            old = self.records[0]
+            if isinstance(old, StepRun) and old.tokens > held - limit:
+                old.drop_oldest(held - limit)
+                self.tokens -= held - limit
+                break
+            self.records.popleft()
             held -= record_rows(old)
             self.tokens -= old.tokens
 
@@ -166,6 +195,8 @@ class RewindJournal:
             if isinstance(r, StepRecord):
                 r.free, r.rows, r.scores, r.positions = (
                     _map(fn, x) for x in (r.free, r.rows, r.scores, r.positions))
+            elif isinstance(r, StepRun):
+                r.free, r.rows = _map(fn, r.free), _map(fn, r.rows)
             elif isinstance(r, LayoutRecord):
                 r.slots = _map(fn, r.slots)
             else:
@@ -176,8 +207,8 @@ class RewindJournal:
         """Forget the newest ``n`` tokens (a plain trim before any eviction)."""
         while n > 0 and self.records:
             rec = self.records[-1]
-            if rec.tokens <= n:  # (a LayoutRecord only exists after an eviction)
-                n -= self.pop().tokens
+            if rec.tokens <= n or isinstance(rec, StepRun):  # (a LayoutRecord only exists
+                n -= self.pop().tokens  # after an eviction; a run gives its steps one by one)
                 continue
             keep = rec.tokens - n
             if rec.observed is not None:
@@ -190,6 +221,8 @@ class RewindJournal:
         for r in self.records:
             if isinstance(r, StepRecord):
                 total += _nbytes((r.free, r.rows, r.scores, r.positions))
+            elif isinstance(r, StepRun):
+                total += _nbytes((r.free, r.rows))
             elif isinstance(r, LayoutRecord):
                 total += _nbytes(r.slots)
             else:
@@ -211,57 +244,14 @@ def record_rows(record) -> int:
     slot indices and filters are not rows (a few bytes per row; counted in ``nbytes``)."""
     if isinstance(record, StepRecord):
         return 0 if record.rows is None else 1
+    if isinstance(record, StepRun):
+        return record.tokens
     slots = record.slots
     rows = 0 if slots is None or slots[2] is None else 1
     if isinstance(record, CallRecord) and record.dropped is not None:
         keys = record.dropped[0]
         rows += (keys[0] if isinstance(keys, tuple) else keys).shape[2]
     return rows
-
-
-def dropped_rows(kept: mx.array, arrays: tuple) -> tuple:
-    """The rows of ``arrays`` (each ``[B, H, n, ...]``) not listed in ``kept [B, H, K]``,
-    ascending: ``[B, H, n - K, ...]`` (the rows an eviction drops)."""
-    B, H, n = arrays[2].shape
-    K = kept.shape[2]
-    is_kept = mx.put_along_axis(mx.zeros((B, H, n), mx.int32), kept.astype(mx.int32),
-                                mx.array(n, mx.int32), axis=2)
-    order = mx.argsort(mx.arange(n, dtype=mx.int32)[None, None] + is_kept, axis=2)[:, :, : n - K]
-    return tuple(mx.take_along_axis(a, order[..., None] if a.ndim == 4 else order, axis=2)
-                 for a in arrays)
-
-
-def pad_rows(a: mx.array, rows: int) -> mx.array:
-    """``a [B, H, n, ...]`` followed by zero rows up to ``rows`` (``rows <= n``: ``a``
-    itself): a buffer back at the size it had before an undone call or step (rows grown
-    in step blocks, never written, are zeros)."""
-    if rows <= a.shape[2]:
-        return a
-    return mx.concatenate([a, mx.zeros((*a.shape[:2], rows - a.shape[2], *a.shape[3:]), a.dtype)], axis=2)
-
-
-def rows_between(arrays: tuple, lo: int, hi: int, n: int) -> tuple:
-    """The ``n`` rows per (batch row, head) with ``lo <= position < hi``, in temporal
-    order, from ``arrays = (keys, values, scores, positions)`` (each head holds
-    exactly ``n`` such rows)."""
-    pos = arrays[3]
-    key = mx.where((pos >= lo) & (pos < hi), pos, mx.array(_BIG, mx.int64))
-    order = mx.argsort(key, axis=2)[:, :, :n]
-    return tuple(mx.take_along_axis(a, order[..., None] if a.ndim == 4 else order, axis=2)
-                 for a in arrays)
-
-
-def to_slots(arrays: tuple, order: mx.array) -> tuple:
-    """Put temporal rows (``[B, H, S-1, ...]``) back into the slot layout they were
-    taken from (``order [B, H, S-1]``: the slot of each row). The one slot not in
-    ``order`` is the free slot, whose content is never read (zeros)."""
-    out = []
-    for a in arrays:
-        B, H, n = a.shape[:3]
-        buf = mx.zeros((B, H, n + 1, *a.shape[3:]), a.dtype)
-        idx = order.astype(mx.int32)
-        out.append(mx.put_along_axis(buf, idx[..., None] if a.ndim == 4 else idx, a, axis=2))
-    return tuple(out)
 
 
 def _put_slot(a: mx.array, free: mx.array, rows: mx.array) -> mx.array:

@@ -81,10 +81,10 @@ def rewind_target(caches, length: int, prefix: int, floor: int, accept) -> int |
         t = min(prefix, length)
         return t if t > floor and t >= lo else None
     bounds, pos = [length], length
-    for rec in reversed(ours[0]._journal.records):
-        if rec.tokens == 0:
+    for tokens, _ in ours[0]._journal.calls_newest_first():
+        if tokens == 0:
             continue  # (a slot-layout switch: no token)
-        pos -= rec.tokens
+        pos -= tokens
         if pos < lo:
             break
         bounds.append(pos)
@@ -99,19 +99,17 @@ def rows_back_to(caches, length: int, target: int) -> int | None:
     take a stored entry (``caches`` holding ``length`` tokens) back to exactly ``target``
     tokens without splitting a recorded call; 0 before any eviction (a plain trim); ``None``
     when its journal does not reach there."""
-    from qfilters_mlx.cache.journal import record_rows
-
     ours = [c for c in caches if hasattr(c, "rewindable_tokens")]
     if not ours or length - target > rewind_reach(caches):
         return None
     if not any(getattr(c, "evicted", False) for c in ours):
         return 0
     pos, rows = length, 0
-    for rec in reversed(ours[0]._journal.records):
+    for tokens, held in ours[0]._journal.calls_newest_first():
         if pos <= target:
             break
-        pos -= rec.tokens
-        rows += record_rows(rec)
+        pos -= tokens
+        rows += held
     return rows if pos == target else None
 
 
