@@ -99,7 +99,7 @@ def _store_once(model, tokenizer) -> tuple[object, dict]:
     t_again = time.perf_counter() - tic
     assert np.array_equal(again.ranking, measured.ranking.astype(np.float32))
     return measured, {"first_use_s": round(t_first, 2), "found_s": round(t_again, 3), "filter_first_use_s": None,
-                      "ratio_to_filter": None, "loadavg_end": os.getloadavg(), "origin": again.origin}
+                      "ratio_to_filter": None, "loadavg_end": os.getloadavg(), "origin": again.origin.replace(str(Path.home()), "~")}
 
 
 def main() -> None:
