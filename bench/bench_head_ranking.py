@@ -13,11 +13,19 @@
 * the budgets :func:`qfilters_mlx.filters.head_budgets.head_budgets` gives at budgets 128 and 256
   with the default constants.
 
+``--store`` (for a bigger model, where every pass counts): one measurement only, in the user
+cache itself (the file ``KVCacheBuilder.for_model`` and the other benches then find): the
+12 passes of :func:`~qfilters_mlx.filters.head_ranking.rank_heads` timed, the ranking written to
+:func:`~qfilters_mlx.filters.head_store.heads_path` with the metadata ``resolve_head_ranking``
+writes, then found again; no filter first use beside it (no ratio). Refused when the file exists.
+
 Usage::
 
     python bench/bench_head_ranking.py [--model smollm2-135m]
+    python bench/bench_head_ranking.py --model qwen2.5-coder-0.5b --store \
+        --out bench/results/head_ranking_qwen.json
 
-Writes ``bench/results/head_ranking.json`` and ``.md``.
+Writes ``bench/results/head_ranking.json`` and ``.md`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import common
 import numpy as np
@@ -72,13 +81,36 @@ def _first_uses(model, tokenizer) -> tuple[object, dict]:
                       "loadavg_end": os.getloadavg(), "origin": first.origin.replace(home, "$QFILTERS_MLX_HOME")}
 
 
+def _store_once(model, tokenizer) -> tuple[object, dict]:
+    from qfilters_mlx.filters.head_ranking import rank_heads
+    from qfilters_mlx.filters.head_store import heads_path, save_ranking
+    from qfilters_mlx.identity import model_identity
+
+    path = heads_path(model_identity(model))
+    if path.exists():
+        raise SystemExit(f"{path} exists: --store measures a model without a stored ranking")
+    tic = time.perf_counter()
+    measured = rank_heads(model, tokenizer)
+    save_ranking(str(path), measured.ranking, model, calibration_text=measured.source, prompts=measured.prompts,
+                 recalled=measured.recalled, seconds=f"{measured.seconds:.1f}")
+    t_first = time.perf_counter() - tic
+    tic = time.perf_counter()
+    again = resolve_head_ranking(model)
+    t_again = time.perf_counter() - tic
+    assert np.array_equal(again.ranking, measured.ranking.astype(np.float32))
+    return measured, {"first_use_s": round(t_first, 2), "found_s": round(t_again, 3), "filter_first_use_s": None,
+                      "ratio_to_filter": None, "loadavg_end": os.getloadavg(), "origin": again.origin.replace(str(Path.home()), "~")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_model_arg(p)
+    p.add_argument("--store", action="store_true", help="measure once, into the user cache (no filter ratio)")
+    p.add_argument("--out", type=Path, default=OUT)
     a = p.parse_args()
     model, tokenizer = common.load_model(a.model)
     meta = common.run_meta(model=a.model)  # (the load average at start)
-    measured, timing = _first_uses(model, tokenizer)
+    measured, timing = (_store_once if a.store else _first_uses)(model, tokenizer)
     ranking = measured.ranking
     per_form = {f: measured.per_needle[np.array(measured.forms) == f] for f in dict.fromkeys(measured.forms)}
     top = big_heads(ranking, TOP)
@@ -106,10 +138,15 @@ def main() -> None:
         out["budgets"][str(budget)] = {"big": int(b.max()), "small": int(b.min()), "recent": hb.recents[0][0],
                                        "total": hb.total_tokens, "one_budget_total": int(b.size * budget),
                                        "layers_with_two_groups": sum(len(hb.groups(i)) == 2 for i in range(hb.n_layers))}
+    beside = (f"{timing['ratio_to_filter']} times the default filter's first use in the same run "
+              f"({timing['filter_first_use_s']} s, 2,048 tokens)" if timing["ratio_to_filter"] else
+              "measured once into the user cache (`--store`: the 12 passes and the file written; no filter "
+              "first use beside it)")
     md = [f"# Retrieval heads of {a.model}, found once", "",
+          "Command:", "", f"    python bench/bench_head_ranking.py --model {a.model}"
+          + (f" --store --out {a.out.resolve().relative_to(common.ROOT)}" if a.store else ""), "",
           f"First use (identity, 12 calibration needles, file written): **{timing['first_use_s']} s**, "
-          f"{timing['ratio_to_filter']} times the default filter's first use in the same run "
-          f"({timing['filter_first_use_s']} s, 2,048 tokens); found again: {timing['found_s']} s. "
+          f"{beside}; found again: {timing['found_s']} s. "
           f"Load average {', '.join(f'{x:.1f}' for x in out['meta']['loadavg_start'])} at start, "
           f"{', '.join(f'{x:.1f}' for x in timing['loadavg_end'])} at the end (2 cores, shared). "
           f"The full cache answers {out['recalled']} of the needles.", "",
@@ -123,7 +160,7 @@ def main() -> None:
                            [[k, v["big"], v["small"], v["recent"], v["total"], v["one_budget_total"],
                              v["layers_with_two_groups"]] for k, v in out["budgets"].items()], "rrrrrrr"), ""]
     print("\n".join(md))
-    common.write_results(OUT, out, "\n".join(md))
+    common.write_results(a.out, out, "\n".join(md))
 
 
 if __name__ == "__main__":
