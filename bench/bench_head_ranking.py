@@ -82,17 +82,16 @@ def _first_uses(model, tokenizer) -> tuple[object, dict]:
 
 
 def _store_once(model, tokenizer) -> tuple[object, dict]:
-    from qfilters_mlx.filters.head_ranking import rank_heads
-    from qfilters_mlx.filters.head_store import heads_path, save_ranking
+    from qfilters_mlx.filters.head_store import heads_path, measure_and_store
     from qfilters_mlx.identity import model_identity
 
     path = heads_path(model_identity(model))
     if path.exists():
         raise SystemExit(f"{path} exists: --store measures a model without a stored ranking")
     tic = time.perf_counter()
-    measured = rank_heads(model, tokenizer)
-    save_ranking(str(path), measured.ranking, model, calibration_text=measured.source, prompts=measured.prompts,
-                 recalled=measured.recalled, seconds=f"{measured.seconds:.1f}")
+    measured, _, error = measure_and_store(model, tokenizer, path)
+    if error is not None:
+        raise SystemExit(f"{path} not written: {error}")
     t_first = time.perf_counter() - tic
     tic = time.perf_counter()
     again = resolve_head_ranking(model)

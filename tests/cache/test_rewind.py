@@ -18,7 +18,7 @@ from qfilters_mlx import CompressOnce, KVCacheBuilder, KVCacheConfig, QFiltersKV
 from qfilters_mlx.backends import reference
 from qfilters_mlx.backends import metal as metal_module
 from qfilters_mlx.backends.base import Backend
-from qfilters_mlx.cache.journal import dropped_rows
+from qfilters_mlx.cache.journal_rows import dropped_rows
 from test_cache import D, H, assert_same_view, fixed_cache, int_data, observed_query_cache
 from test_cache import assert_same as assert_same_cache
 from test_cache import feed_cache as feed

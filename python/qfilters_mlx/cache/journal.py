@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from qfilters_mlx.cache.journal_rows import dropped_rows, pad_rows, rows_between, to_slots  # noqa: F401
+from qfilters_mlx.cache.journal_rows import pad_rows, rows_between, to_slots
 from qfilters_mlx.cache.journal_runs import StepRun, pack_runs
 
 

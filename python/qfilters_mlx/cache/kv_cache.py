@@ -61,7 +61,8 @@ import qfilters_mlx.cache.rewind as rewind
 from qfilters_mlx.cache.calibration import checked_filters, estimate_filter, observe_queries
 from qfilters_mlx.cache.inputs import check_update
 from qfilters_mlx.cache.dense import DenseRows
-from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, RewindJournal, StepRecord, dropped_rows
+from qfilters_mlx.cache.journal import CallRecord, LayoutRecord, RewindJournal, StepRecord
+from qfilters_mlx.cache.journal_rows import dropped_rows
 from qfilters_mlx.cache.attention import keys_and_values, make_mask
 from qfilters_mlx.cache.quantized import QuantizedRows, check_quantization, quantized_copy
 from qfilters_mlx.cache.rows import EMPTY, Rows, evict, resolve_limits

@@ -35,7 +35,8 @@ import mlx.core as mx
 
 from qfilters_mlx.backends.dispatch import get_backend
 from qfilters_mlx.cache.dense import DenseRows
-from qfilters_mlx.cache.journal import RewindJournal, to_slots
+from qfilters_mlx.cache.journal import RewindJournal
+from qfilters_mlx.cache.journal_rows import to_slots
 from qfilters_mlx.cache.quantized import QuantizedRows
 from qfilters_mlx.cache.rewind import depth_now
 from qfilters_mlx.cache.rows import Rows

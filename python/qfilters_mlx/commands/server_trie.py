@@ -100,41 +100,40 @@ def prompt_trie_class(cache_module):
             while i < n:
                 edge = node.edges.get(tokens[i])
                 if edge is None:
-                    child = _Node()
-                    self._edge(node, q[i * _ITEM:], child)
-                    self.nbytes += NODE_BYTES + sys.getsizeof(q[i * _ITEM:])
+                    child, tail = _Node(), q[i * _ITEM:]
+                    self._edge(node, tail, child)
+                    self.nbytes += NODE_BYTES + sys.getsizeof(tail)
                     node, i = child, n
                     break
                 label, child = edge
                 m = _matched(q, i, label)
                 if m * _ITEM < len(label):  # split the edge where the paths part
-                    mid = _Node()
-                    self._edge(mid, label[m * _ITEM:], child)
-                    self._edge(node, label[:m * _ITEM], mid)
-                    self.nbytes += (NODE_BYTES + sys.getsizeof(label[:m * _ITEM])
-                                    + sys.getsizeof(label[m * _ITEM:]) - sys.getsizeof(label))
+                    mid, head, rest = _Node(), label[:m * _ITEM], label[m * _ITEM:]
+                    self._edge(mid, rest, child)
+                    self._edge(node, head, mid)
+                    self.nbytes += NODE_BYTES + sys.getsizeof(head) + sys.getsizeof(rest) - sys.getsizeof(label)
                     child = mid
                 node, i = child, i + m
             prev, node.value = node.value, value
             return prev
 
         def _path(self, model, tokens):
-            """``[(parent, node)]`` from the root to the node that ``tokens`` end at; KeyError
-            when no node ends there."""
+            """``[(parent, edge key, node)]`` from the root to the node that ``tokens`` end at;
+            KeyError when no node ends there."""
             q = pack(tokens)
             node = self._roots[model]
-            path, i = [(None, node)], 0
+            path, i = [(None, None, node)], 0
             while i < len(tokens):
                 label, child = node.edges[tokens[i]]
                 if _matched(q, i, label) * _ITEM != len(label):
                     raise KeyError(i)
-                path.append((node, child))
+                path.append((node, tokens[i], child))
                 node, i = child, i + len(label) // _ITEM
             return path
 
         def get(self, model, tokens):
             """The value stored at ``tokens``; KeyError when none is."""
-            value = self._path(model, tokens)[-1][1].value
+            value = self._path(model, tokens)[-1][2].value
             if value is None:
                 raise KeyError(len(tokens))
             return value
@@ -144,20 +143,20 @@ def prompt_trie_class(cache_module):
             the nodes left without a purpose: a leaf without a value goes, a node without a
             value and with one child merges into its parent's edge."""
             path = self._path(model, tokens)
-            parent, node = path[-1]
+            node = path[-1][2]
             value, node.value = node.value, None
             if value is None:
                 raise KeyError(len(tokens))
-            for parent, node in reversed(path[1:]):
+            for parent, key, node in reversed(path[1:]):
                 if node.value is not None or len(node.edges) > 1:
                     break
-                key = next(k for k, (_, c) in parent.edges.items() if c is node)
                 label = parent.edges.pop(key)[0]
                 self.nbytes -= NODE_BYTES + sys.getsizeof(label)
                 if node.edges:  # one child: its edge joins this one
                     (tail, child), = node.edges.values()
-                    self._edge(parent, label + tail, child)
-                    self.nbytes += sys.getsizeof(label + tail) - sys.getsizeof(tail)
+                    joined = label + tail
+                    self._edge(parent, joined, child)
+                    self.nbytes += sys.getsizeof(joined) - sys.getsizeof(tail)
                     break
             if not self._roots[model].edges and self._roots[model].value is None:
                 del self._roots[model]
@@ -254,9 +253,5 @@ def compact_order_class(cache_module):
         def keys(self):
             """``(model, tokens)`` of every entry, type by type, oldest first."""
             return [(m, unpack(k)) for lru in self._lrus.values() for m, k in list(lru)]
-
-        def key_sizes(self):
-            """Token counts of every entry (without unpacking)."""
-            return [len(k) // _ITEM for lru in self._lrus.values() for _, k in list(lru)]
 
     return CompactOrder

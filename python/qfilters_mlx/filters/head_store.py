@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FORMAT", "MEASURE", "ResolvedRanking", "heads_path", "load_ranking", "resolve_head_ranking",
-           "save_ranking"]
+__all__ = ["FORMAT", "MEASURE", "ResolvedRanking", "heads_path", "load_ranking", "measure_and_store",
+           "resolve_head_ranking", "save_ranking"]
 
 FORMAT = "qfilters-mlx-heads-1"
 MEASURE = "needle attention of the answer's key tokens (qfilters_mlx.filters.head_ranking)"
@@ -119,6 +119,23 @@ def _describe(path, meta: dict, how: str) -> str:
             f"{meta.get('recalled', '?')} answered by the full cache, from {meta.get('calibration_text', '?')})")
 
 
+def measure_and_store(model, tokenizer, path: Path):
+    """Measure the retrieval-head ranking of ``model`` (:func:`~.head_ranking.rank_heads`) and
+    write it to ``path`` atomically with its metadata.
+
+    Returns:
+        ``(result, info, error)``: ``rank_heads``'s result, the metadata written, and the error
+        text when the file could not be written (``None`` when it was).
+    """
+    from qfilters_mlx.filters.default_filters import store_atomically
+    from qfilters_mlx.filters.head_ranking import rank_heads
+
+    found = rank_heads(model, tokenizer)
+    info = {"calibration_text": found.source, "prompts": found.prompts, "recalled": found.recalled,
+            "seconds": f"{found.seconds:.1f}"}
+    return found, info, store_atomically(path, lambda tmp: save_ranking(tmp, found.ranking, model, **info))
+
+
 def resolve_head_ranking(model, tokenizer=None, model_path=None, path=None) -> ResolvedRanking:
     """The retrieval-head ranking of ``model``: the file ``path`` if given, else the stored file
     of the model's identity (:func:`heads_path`), else measured now and stored there.
@@ -140,7 +157,7 @@ def resolve_head_ranking(model, tokenizer=None, model_path=None, path=None) -> R
             there is no tokenizer, the model is tensor-parallel (measure on the whole model), or a
             layer attends with its own mask.
     """
-    from qfilters_mlx.filters.default_filters import model_tokenizer, say, store_atomically
+    from qfilters_mlx.filters.default_filters import model_tokenizer, say
     from qfilters_mlx.identity import model_identity
 
     if path is not None:
@@ -159,12 +176,7 @@ def resolve_head_ranking(model, tokenizer=None, model_path=None, path=None) -> R
     if tokenizer is None:
         raise ValueError(f"no retrieval-head ranking at {stored}, and measuring one needs the model's "
                          "tokenizer (pass tokenizer= or model_path=)")
-    from qfilters_mlx.filters.head_ranking import rank_heads
-
-    found = rank_heads(model, tokenizer)
-    info = {"calibration_text": found.source, "prompts": found.prompts, "recalled": found.recalled,
-            "seconds": f"{found.seconds:.1f}"}
-    error = store_atomically(stored, lambda tmp: save_ranking(tmp, found.ranking, model, **info))
+    found, info, error = measure_and_store(model, tokenizer, stored)
     where = f"stored in {stored}" if error is None else f"not stored ({error}): measured again next time"
     L, H = found.ranking.shape
     say(model, f"qfilters-mlx: measured retrieval heads ({L} layers x {H} KV heads) on {found.prompts} "
