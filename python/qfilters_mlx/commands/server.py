@@ -50,7 +50,7 @@ import logging
 import sys
 from pathlib import Path
 
-from qfilters_mlx.commands.server_flags import DEFAULT_PROMPT_CACHE_SIZE, cache_parser
+from qfilters_mlx.commands.server_flags import DEFAULT_DISK_BYTES, DEFAULT_PROMPT_CACHE_SIZE, cache_parser
 from qfilters_mlx.commands.server_memory import map_large_blocks
 
 __all__ = ["DEFAULT_MAX_REWIND", "QFiltersModelProvider", "StoredConversations", "add_parser", "answer_journal",
@@ -158,8 +158,9 @@ def _served(cache_args, model_path, quantized: bool = False):
 
 
 def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_at_rest=None,
-             http_limits=None):
-    """mlx-lm's server classes with our additions (imported late: mlx is heavy)."""
+             http_limits=None, disk=None):
+    """mlx-lm's server classes with our additions (imported late: mlx is heavy). ``disk``:
+    ``(folder, max_bytes, lock)`` of ``--prompt-cache-dir`` (:mod:`.server_disk`), or ``None``."""
     import mlx_lm.models.cache as cache_module
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
@@ -217,6 +218,10 @@ def _classes(served=None, max_body_bytes=None, max_prompt_tokens=None, journal_a
                 self.served.context = context_length(self.model)
 
     prompt_cache = prompt_cache_class(cache_module, journal_at_rest)
+    if disk is not None:
+        from qfilters_mlx.commands.server_disk import disk_conversations_class
+
+        prompt_cache = disk_conversations_class(prompt_cache, *disk)
     handler = handler_class(server, max_body_bytes or MAX_BODY_BYTES, **(http_limits or {}))
     return server, QFiltersModelProvider, prompt_cache, generator_class(server), handler
 
@@ -293,10 +298,21 @@ def run(parser, args, blas_library: str | None = None) -> int:
         served = _served(cache_args, model_path, quantized)
     else:
         rest.append("--help")
+    disk = None
+    if cache_args.prompt_cache_dir is not None and not helping:
+        from qfilters_mlx.commands.server_files import lock_folder
+
+        try:  # (before the model loads: a second server on the folder stops at once)
+            lock = lock_folder(cache_args.prompt_cache_dir)
+        except (OSError, ValueError, RuntimeError) as err:
+            ours.error(str(err))
+        disk = (cache_args.prompt_cache_dir, cache_args.prompt_cache_disk_bytes or DEFAULT_DISK_BYTES, lock)
+    elif cache_args.prompt_cache_disk_bytes is not None:
+        ours.error("--prompt-cache-disk-bytes bounds the files of --prompt-cache-dir: name the folder")
     limits = {k: v for k, v in (("max_connections", cache_args.max_connections),
                                 ("body_timeout", cache_args.body_timeout)) if v is not None}
     server, provider, prompt_cache, generator, handler = _classes(
-        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens, at_rest, limits)
+        served, cache_args.max_body_bytes, cache_args.max_prompt_tokens, at_rest, limits, disk)
     options = _builder().options_for(_CONFIG)
     rest_note = f" (stored checkpoints keep {at_rest})" if at_rest is not None else ""
     print(f"qfilters-mlx server: KV cache {described} max_rewind={options.max_rewind}{rest_note} "

@@ -252,11 +252,11 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
                     self._prompt_ends.popitem(last=False)
             lrus = self._lru._lrus
             while len(lrus["assistant"]) > self.max_size:
-                self._drop(*self._lru.oldest("assistant"))
+                self._drop(*self._lru.oldest("assistant"), bound=True)
             while sum(len(lrus[k]) for k in CHECKPOINT_TYPES) > self.max_size:
-                self._drop(*self._lru.oldest(next(k for k in CHECKPOINT_TYPES if lrus[k])))
+                self._drop(*self._lru.oldest(next(k for k in CHECKPOINT_TYPES if lrus[k])), bound=True)
             while self.nbytes > self.max_bytes and len(self._lru):
-                self._drop(*self._lru.pop(), in_lru=False)
+                self._drop(*self._lru.pop(), in_lru=False, bound=True)
             if done:
                 release_freed()  # (a request's temporaries, from MLX's pool and the C heap)
                 st = self.stored_stats()
@@ -268,14 +268,15 @@ def prompt_cache_class(cache_module, journal_at_rest: int | None = None):
             n_sequences = math.inf if n_sequences is None else max(0, n_sequences)
             n_bytes = math.inf if n_bytes is None else max(0, n_bytes)
             while len(self._lru) and (len(self._lru) > n_sequences or self.nbytes > n_bytes):
-                self._drop(*self._lru.pop(), in_lru=False)
+                self._drop(*self._lru.pop(), in_lru=False, bound=True)
 
         def _count(self, entry, sign: int) -> None:
             self._n_bytes += sign * entry.nbytes
             self._n_bytes_by_type[entry.cache_type] += sign * entry.nbytes
 
-        def _drop(self, model, tokens, in_lru: bool = True) -> None:
-            """Remove one stored entry (trie, LRU order unless already popped, byte counts)."""
+        def _drop(self, model, tokens, in_lru: bool = True, bound: bool = False) -> None:
+            """Remove one stored entry (trie, LRU order unless already popped, byte counts);
+            ``bound``: for the count or byte bounds (else: a newer entry replaces it)."""
             entry = self._trie.pop(model, tokens)
             if in_lru:
                 self._lru.remove(model, tokens)

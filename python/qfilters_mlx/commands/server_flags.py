@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["DEFAULT_PROMPT_CACHE_SIZE", "cache_parser"]
+__all__ = ["DEFAULT_DISK_BYTES", "DEFAULT_PROMPT_CACHE_SIZE", "cache_parser"]
 
 DEFAULT_PROMPT_CACHE_SIZE = 30
 """Stored conversations kept (mlx-lm's default is 10 for full caches)."""
+
+DEFAULT_DISK_BYTES = 20 * 10**9
+"""Bytes the files of ``--prompt-cache-dir`` may take unless ``--prompt-cache-disk-bytes`` says."""
 
 
 def cache_parser() -> argparse.ArgumentParser:
@@ -37,6 +40,13 @@ def cache_parser() -> argparse.ArgumentParser:
                    help=f"stored conversations kept for reuse (mlx-lm's flag; default "
                         f"{DEFAULT_PROMPT_CACHE_SIZE} here: each holds at most the budget plus the "
                         f"rewind journal, twice when its answer is longer than --max-rewind)")
+    s.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="also keep stored conversations as files in DIR (created mode 0700; one "
+                        "server per folder), reused after they leave memory and after a restart")
+    s.add_argument("--prompt-cache-disk-bytes", type=_size, default=None, metavar="N",
+                   help=f"bytes the files in --prompt-cache-dir may take (suffixes K, M, G: powers "
+                        f"of 1000; default {DEFAULT_DISK_BYTES // 10**9} G); past it the least "
+                        f"recently used files are removed")
     s.add_argument("--allow-chat-template", action="store_true",
                    help="let requests bring their own chat template (chat_template, or "
                         "chat_template_kwargs.chat_template); off by default: such requests get 400")
@@ -61,6 +71,19 @@ def _positive(text: str) -> int:
     n = int(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _size(text: str) -> int:
+    """argparse type: a byte count >= 1, with an optional suffix K, M or G (powers of 1000)."""
+    t = text.strip().upper().removesuffix("B")
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if scale > 1 else t) * scale)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 20G, 500M)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text}")
     return n
 
 

@@ -155,6 +155,10 @@ def generator_class(server):
         def _run_generate(self):
             try:  # in this thread: the arrays it loads belong to its MLX stream
                 self.model_provider.load_default()
+                open_disk = getattr(self.prompt_cache, "open_disk", None)
+                if open_disk is not None:  # (--prompt-cache-dir: its files, for this model)
+                    p = self.model_provider
+                    open_disk(p.model_key, p.model, p.draft_model)
             except Exception as err:  # noqa: BLE001 (raised again in the starting thread)
                 self._load_error = err
                 self._generation_failed = True
