@@ -32,7 +32,7 @@ from helpers.batch_helpers import config, tiny_llama
 from qfilters_mlx.cache.builder import KVCacheBuilder
 from qfilters_mlx.commands import server_files
 from qfilters_mlx.commands.server_cache import prompt_cache_class
-from qfilters_mlx.commands.server_disk import cache_identity, disk_conversations_class
+from qfilters_mlx.commands.server_disk import DiskIndex, cache_identity, disk_conversations_class
 from qfilters_mlx.commands.server_files import file_name, pack_tokens, read_info
 
 REWIND = 8
@@ -275,3 +275,31 @@ def test_a_stored_file_loads_with_mlx_lms_own_reader(model, tmp_path):
     loaded, meta = cache_module.load_prompt_cache(str(path), return_metadata=True)
     _same(loaded, caches)
     assert meta["qfilters_mlx_type"] == "assistant"
+
+
+def test_the_index_holds_what_it_counts(model, tmp_path):
+    """The Python memory the rebuilt index keeps (tracemalloc) is within ``index_bytes`` plus the
+    index object's own few kilobytes; the counts follow writes and removals."""
+    import gc
+    import tracemalloc
+
+    store = _store(tmp_path / "d", model=model)
+    for i in range(6):
+        serve(store, model, _tokens(200 + 30 * i, i))
+    identity = store.disk.identity
+    counted = store.disk.index_nbytes
+    _close(store)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        index = DiskIndex(tmp_path / "d", None, identity)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert index.index_nbytes == counted and index.stats()["usable"] == 6
+    assert sum(len(e.key) for e in index.entries.values()) == 4 * sum(206 + 30 * i for i in range(6))
+    assert held <= counted + 8192, (held, counted)
+    index.remove(next(iter(index.entries)))
+    assert index.stats()["usable"] == 5 and index.index_nbytes < counted

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -43,7 +44,11 @@ from qfilters_mlx.commands.server_calls import PREFILL
 from qfilters_mlx.commands.server_files import (SUFFIX, file_name, lock_folder, pack_tokens, read_info,
                                                 verified_load, write_entry)
 
-__all__ = ["DiskEntry", "DiskIndex", "cache_identity", "disk_conversations_class"]
+__all__ = ["DiskEntry", "DiskIndex", "ENTRY_NBYTES", "cache_identity", "disk_conversations_class"]
+
+ENTRY_NBYTES = 200
+"""Bytes counted per indexed file besides its key and name: the entry object (four slots, 72 B)
+and its ``OrderedDict`` slot and link (about 100 B), rounded up."""
 
 
 def _leaves(h, tree) -> None:
@@ -117,6 +122,7 @@ class DiskIndex:
         self._lock = lock if lock is not None else lock_folder(self.folder)
         self.entries: OrderedDict[str, DiskEntry] = OrderedDict()
         self.nbytes = 0
+        self._usable = self._index_nbytes = 0  # (kept as entries come and go: /health reads them)
         self.writes = self.reads = self.failures = 0
         self.write_s = self.read_s = 0.0  # (seconds spent writing / reading files)
         found = []
@@ -136,14 +142,23 @@ class DiskIndex:
                 entry = DiskEntry(b"", st.st_size, "damaged", False)
             found.append((st.st_mtime_ns, p.name, entry))
         for _, name, entry in sorted(found):
-            self.entries[name] = entry
-            self.nbytes += entry.nbytes
+            self._add(name, entry)
         self._bound()
+
+    def _add(self, name: str, entry: DiskEntry) -> None:
+        self.entries[name] = entry
+        self._count(name, entry, +1)
+
+    def _count(self, name: str, entry: DiskEntry, sign: int) -> None:
+        self.nbytes += sign * entry.nbytes
+        self._usable += sign * entry.usable
+        self._index_nbytes += sign * (sys.getsizeof(entry.key) + sys.getsizeof(name) + ENTRY_NBYTES)
 
     @property
     def index_nbytes(self) -> int:
-        """Bytes of the packed token keys the index holds."""
-        return sum(len(e.key) for e in self.entries.values())
+        """Bytes the index holds in Python objects: each file's packed token key and name (their
+        ``sys.getsizeof``) and :data:`ENTRY_NBYTES` for its entry and dict slot."""
+        return self._index_nbytes
 
     def longest_prefix(self, key: bytes) -> tuple[str, DiskEntry] | None:
         """The usable file whose token key is the longest prefix of ``key`` (packed)."""
@@ -173,8 +188,9 @@ class DiskIndex:
                             f"{type(err).__name__}: {err}")
             return
         old = self.entries.pop(name, None)
-        self.nbytes += n - (old.nbytes if old is not None else 0)
-        self.entries[name] = DiskEntry(key, n, cache_type)
+        if old is not None:
+            self._count(name, old, -1)
+        self._add(name, DiskEntry(key, n, cache_type))
         self.writes += 1
         self.write_s += time.perf_counter() - start
         self._bound()
@@ -208,7 +224,7 @@ class DiskIndex:
         e = self.entries.pop(name, None)
         if e is None:
             return
-        self.nbytes -= e.nbytes
+        self._count(name, e, -1)
         try:
             (self.folder / name).unlink()
         except FileNotFoundError:
@@ -225,7 +241,7 @@ class DiskIndex:
         start ``writes``, ``reads``, ``failures`` and seconds spent (``write_s``, ``read_s``:
         reads include checking the checksum and rebuilding the caches)."""
         return {"files": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                "usable": sum(e.usable for e in self.entries.values()), "index_bytes": self.index_nbytes,
+                "usable": self._usable, "index_bytes": self.index_nbytes,
                 "writes": self.writes, "reads": self.reads, "failures": self.failures,
                 "write_s": round(self.write_s, 4), "read_s": round(self.read_s, 4)}
 
