@@ -23,8 +23,9 @@ the turn, against the bytes of the budget's K/V rows (``budget x layers x KV hea
 **Soak** (``--soak N``): one folder, ``N`` short conversations (a ~150-token question, 8-token
 answers, ``--prompt-cache-size 8`` so that most leave memory), the server restarted every
 ``--soak-every`` conversations; after each restart a follow-up of ``--probes`` earlier
-conversations (spread over all so far) must reuse the whole conversation (``cached_tokens`` =
-the turn's prompt and answer), ``/health``'s usable files must equal the conversations, and the
+conversations (spread over all so far) must reuse its stored conversation (``cached_tokens`` at
+least the turn's prompt: a prompt checkpoint holds one token less, so only the stored answer
+reaches it), ``/health``'s usable files must equal the conversations, and the
 files' bytes must stay within ``--prompt-cache-disk-bytes`` (checked after every restart with
 ``du`` of the folder). Then one more server with a bound of a fifth of what the files take: bytes
 within it after every request of another ``--soak-every`` conversations.
@@ -231,7 +232,8 @@ def markdown(res) -> str:
                 continue
             t = _median([r["follow_ttft_s"] for r in runs])
             disk = _median([r.get("disk_bytes") for r in runs])
-            same = (sum(r["follow_answer"] == same_as[0] for r in runs) if same_as else None)
+            same = (sum(r["follow_answer"] == a for r, a in zip(runs, same_as))  # (rep by rep:
+                    if len(same_as) == len(runs) else None)  # each repetition has its own text)
             rows.append([L, arm, f"{t:.3f}", f"{t / ref:.3f}" if ref else "",
                          "/".join(str(r["follow_reused"]) for r in runs),
                          f"{same}/{len(runs)}" if same is not None and arm != "mlx_lm" else "",
@@ -245,9 +247,12 @@ def markdown(res) -> str:
         lines += ["", f"## Soak: {s['conversations']} conversations, a restart every {s['every']}{how}", "",
                   f"Command: `{res.get('soak_command', res['command'])}`. Errors: {s['errors']}. Seconds per "
                   f"file written (the last server's): {s.get('write_s_per_file', '?')}.", ""]
-        lines += common.md_table(["after", "usable files", "files", "bytes", "limit", "follow-ups reused"],
-                                 [[r["conversations"], r["usable_files"], r["files"], r["bytes"], r["limit"],
-                                   f"{r['probes_reused']}/{r['probes']}"] for r in s["rounds"]])
+        lines += common.md_table(["after conversations", "usable files", "every one on disk", "files", "bytes",
+                                  "limit", "follow-ups reusing their conversation"],
+                                 [[r["conversations"], r["usable_files"],
+                                   "yes" if r["usable_files"] == r["conversations"] else "no", r["files"],
+                                   r["bytes"], r["limit"], f"{r['probes_reused']}/{r['probes']}"]
+                                  for r in s["rounds"]])
         b = s["bounded"]
         lines += ["", f"Bounded to {b['limit']} bytes: {b['bytes']} bytes at the end, over the bound "
                       f"after {b['over_limit']} of {b['checks']} requests."]

@@ -6,10 +6,14 @@ The rules written out here:
 * a restart (a new store on the folder) reuses the whole stored conversation for a follow-up
   turn, with the tokens and caches the store that never restarted gives;
 * an entry that left memory (count bound) is served from its file;
-* every kind of damaged or foreign file (flipped bytes in the arrays or the header, truncation,
-  an empty file, another identity, a file under another entry's name, not a safetensors file)
-  is skipped with a log line naming it, and the request is computed as cold: never a wrong
-  cache, never an exception;
+* every kind of damaged or foreign file (flipped bytes in the arrays or the header, a broken
+  header length, truncation, bytes appended, an empty file, not a safetensors file, another
+  identity, a file under another entry's name, a dangling symbolic link, a folder or a FIFO in
+  its place) is skipped with a log line naming it, and the request is computed as cold: never a
+  wrong cache, never an exception, never a blocked start;
+* a crash before a follow-up's answer is written, or a failed write of it, leaves the older
+  turn's file, which serves the conversation;
+* an entry served from memory is used on disk too (the bound's order, also after a restart);
 * files are mode 0600 in a 0700 folder, named by a hash only; a folder others may read is
   refused; a second store on a locked folder is refused;
 * the bytes of the files stay within the bound at every write, least recently used removed first;
@@ -32,7 +36,7 @@ from helpers.batch_helpers import config, tiny_llama
 from qfilters_mlx.cache.builder import KVCacheBuilder
 from qfilters_mlx.commands import server_files
 from qfilters_mlx.commands.server_cache import prompt_cache_class
-from qfilters_mlx.commands.server_disk import cache_identity, disk_conversations_class
+from qfilters_mlx.commands.server_disk import DiskIndex, cache_identity, disk_conversations_class
 from qfilters_mlx.commands.server_files import file_name, pack_tokens, read_info
 
 REWIND = 8
@@ -68,6 +72,7 @@ def serve(store, model, prompt, answer_tokens=6):
     """The batch loop for one request: reuse, prefill the prompt but its last token (stored as
     the ``"user"`` checkpoint), decode greedily, store the answer as a finished request.
     Returns ``(tokens reused, answer tokens, the answer's caches)``."""
+    store.expect_calls(prompt, [len(prompt) - 1])
     cache, rest = store.fetch_nearest_cache("m", prompt)
     reused = len(prompt) - len(rest)
     caches = cache if cache is not None else cache_module.make_prompt_cache(model)
@@ -146,8 +151,19 @@ def _other_identity(path):
         "identity": cache_identity(other), "tokens": info["tokens"], "type": info["type"]})
 
 
+def _replace_with(make):
+    def damage(path):
+        path.unlink()
+        make(path)
+    return damage
+
+
 DAMAGE = {
     "arrays": _flip(lambda d: len(d) - 17),
+    "appended": lambda p: p.write_bytes(p.read_bytes() + b"\0" * 64),
+    "dangling-symlink": _replace_with(lambda p: p.symlink_to(p.parent / "gone.safetensors")),
+    "folder": _replace_with(lambda p: p.mkdir()),
+    "fifo": _replace_with(lambda p: os.mkfifo(p)),
     "header": _flip(lambda d: 8 + d[8:].index(b"qfilters_mlx_type") + 3),
     "truncated": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
     "empty": lambda p: p.write_bytes(b""),
@@ -275,3 +291,84 @@ def test_a_stored_file_loads_with_mlx_lms_own_reader(model, tmp_path):
     loaded, meta = cache_module.load_prompt_cache(str(path), return_metadata=True)
     _same(loaded, caches)
     assert meta["qfilters_mlx_type"] == "assistant"
+
+
+def test_the_index_holds_what_it_counts(model, tmp_path):
+    """The Python memory the rebuilt index keeps (tracemalloc) is within ``index_bytes`` plus the
+    index object's own few kilobytes; the counts follow writes and removals."""
+    import gc
+    import tracemalloc
+
+    store = _store(tmp_path / "d", model=model)
+    for i in range(6):
+        serve(store, model, _tokens(200 + 30 * i, i))
+    identity = store.disk.identity
+    counted = store.disk.index_nbytes
+    _close(store)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        index = DiskIndex(tmp_path / "d", None, identity)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert index.index_nbytes == counted and index.stats()["usable"] == 6
+    assert sum(len(e.key) for e in index.entries.values()) == 4 * sum(206 + 30 * i for i in range(6))
+    assert held <= counted + 8192, (held, counted)
+    index.remove(next(iter(index.entries)))
+    assert index.stats()["usable"] == 5 and index.index_nbytes < counted
+
+
+def test_a_crash_or_a_failed_write_before_the_follow_ups_answer_keeps_the_older_turn(
+        model, tmp_path, monkeypatch):
+    first = _tokens(40, 1)
+    store = _store(tmp_path / "d", model=model)
+    _, out, _ = serve(store, model, first)
+    follow = first + out + _tokens(12, 2)
+    # the follow-up's checkpoint is stored (in memory it replaces the first turn), then a crash
+    store.expect_calls(follow, [len(follow) - 1])
+    caches, rest = store.fetch_nearest_cache("m", follow)
+    model(mx.array([rest[:-1]]), cache=caches)
+    store.insert_cache("m", follow[:-1], copy.deepcopy(caches), cache_type="user")
+    assert store.stored_stats()["conversations"] == 0  # (memory dropped the first turn)
+    _close(store)
+    store = _store(tmp_path / "d", model=model)
+    assert serve(store, model, follow)[0] == len(first) + len(out)
+    # a write that fails leaves the older turn's file too
+    _, out2, _ = serve(store, model, follow + [7, 8])
+    names = list(store.disk.entries)
+    monkeypatch.setattr(cache_module, "save_prompt_cache",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    serve(store, model, follow + [7, 8] + out2 + _tokens(6, 3))
+    assert [n for n in store.disk.entries if n in names] == names and all(
+        (tmp_path / "d" / n).exists() for n in names)
+
+
+def test_an_entry_served_from_memory_is_used_on_disk_too(model, tmp_path):
+    store = _store(tmp_path / "d", model=model)
+    a, b = _tokens(30, 1), _tokens(30, 2)
+    _, out_a, _ = serve(store, model, a)
+    serve(store, model, b)
+    name_a = file_name(store.disk.identity, pack_tokens(a + out_a))
+    assert list(store.disk.entries)[0] == name_a
+    store.fetch_nearest_cache("m", a + out_a + [5])  # (served from memory)
+    assert list(store.disk.entries)[-1] == name_a
+    _close(store)
+    assert list(_store(tmp_path / "d", model=model).disk.entries)[-1] == name_a
+
+
+def test_the_server_flags_that_change_a_stored_cache_are_part_of_the_identity(model):
+    plain = cache_identity(model, settings={"kv_bits": None, "kv_group_size": 64})
+    assert plain == cache_identity(model, settings={"kv_group_size": 64, "kv_bits": None})
+    assert plain != cache_identity(model, settings={"kv_bits": 4, "kv_group_size": 64})
+    assert plain != cache_identity(model, settings={"kv_bits": None, "kv_group_size": 32})
+
+
+def test_a_file_larger_than_the_bound_is_not_kept_and_says_so(model, tmp_path, caplog):
+    store = _store(tmp_path / "d", max_bytes=1000, model=model)
+    with caplog.at_level(logging.WARNING):
+        serve(store, model, _tokens(30, 1))
+    assert "larger than --prompt-cache-disk-bytes" in caplog.text
+    assert store.disk.nbytes == 0 and not _files(tmp_path / "d")

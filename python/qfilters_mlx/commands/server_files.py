@@ -26,8 +26,10 @@ the server's user and closed to others (mode ``& 0o077 == 0``). One server holds
 from __future__ import annotations
 
 import base64
+import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import stat
@@ -37,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FILE_FORMAT", "PENDING", "SUFFIX", "file_name", "lock_folder", "pack_tokens", "read_info",
-           "unpack_tokens", "verified_load", "write_entry"]
+__all__ = ["Damaged", "FILE_FORMAT", "PENDING", "SUFFIX", "file_name", "lock_folder", "pack_tokens",
+           "read_info", "unpack_tokens", "verified_load", "write_entry"]
 
 FILE_FORMAT = "1"
 """Layout of the metadata above; a file with another value is not read."""
@@ -51,6 +53,12 @@ _KEY = "0.qfilters_mlx_"  # (save_prompt_cache stores the user metadata under "0
 _CHUNK = 1 << 20
 MAX_HEADER = 64 << 20
 """Largest safetensors header read (bytes); a larger length field is damage."""
+
+
+class Damaged(ValueError):
+    """A file of this server's name whose bytes are not a whole file of the layout above
+    (truncated, a header that does not parse, a checksum that does not match); files of another
+    layout or identity raise a plain ``ValueError``."""
 
 
 def pack_tokens(tokens) -> bytes | None:
@@ -96,7 +104,7 @@ def lock_folder(folder) -> object:
         raise ValueError(f"--prompt-cache-dir {folder}: others may access it (mode "
                          f"{stat.S_IMODE(st.st_mode):o}); stored conversations need a private "
                          f"folder: chmod 700 {folder}, or name a new folder")
-    fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     lock = os.fdopen(fd, "r+")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -109,28 +117,64 @@ def lock_folder(folder) -> object:
     return lock
 
 
-def _header(f) -> tuple[int, bytes]:
-    """``(length, bytes)`` of a safetensors file's JSON header (``f`` at its start)."""
-    raw = f.read(8)
-    if len(raw) != 8:
-        raise ValueError("truncated (no header)")
-    (n,) = struct.unpack("<Q", raw)
-    size = os.fstat(f.fileno()).st_size
-    if n > MAX_HEADER or 8 + n > size:
-        raise ValueError("truncated or damaged (header length)")
-    head = f.read(n)
-    if len(head) != n:
-        raise ValueError("truncated (header)")
-    return n, head
+def _open_regular(path):
+    """``path`` opened for reading, refusing what is not a regular file (a symbolic link, a
+    folder, a FIFO: opened without blocking, then checked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EMLINK):
+            raise ValueError("a symbolic link, not a file this server wrote") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
+    return os.fdopen(fd, "rb")
 
 
-def _digest(f, head: bytes, at: int) -> str:
-    """SHA-256 of the file with the 64 characters of the header at ``at`` read as
-    :data:`PENDING` (``f`` just after the header)."""
+def _header(data: bytes) -> tuple[bytes, int]:
+    """``(header, length)`` of the safetensors bytes ``data`` (its start, at least)."""
+    if len(data) < 8:
+        raise Damaged("truncated (no header)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER or 8 + n > len(data):
+        raise Damaged("truncated or damaged (header length)")
+    return data[8:8 + n], n
+
+
+def _fields(head: bytes) -> dict:
+    """Our metadata fields of a header (see the module doc), the token key unpacked to bytes."""
+    try:
+        meta = json.loads(head).get("__metadata__") or {}
+    except (ValueError, AttributeError) as err:
+        raise Damaged(f"damaged header ({type(err).__name__}: {err})") from None
+    try:
+        info = {k: meta[_KEY + k] for k in ("file", "identity", "tokens", "type", "checksum")}
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"not a stored conversation of this server (no {err})") from None
+    if info["file"] != FILE_FORMAT:
+        raise ValueError(f"file layout {info['file']!r}, not {FILE_FORMAT!r}")
+    try:
+        info["tokens"] = base64.b64decode(info["tokens"], validate=True)
+    except ValueError as err:
+        raise Damaged(f"bad token key ({err})") from None
+    if len(info["tokens"]) % 4 or len(info["checksum"]) != 64:
+        raise Damaged("bad token key or checksum field (length)")
+    return info
+
+
+def _digest(data, head_len: int, at: int) -> str:
+    """SHA-256 of the file bytes ``data`` (a bytes-like or an open file at offset 0) with the 64
+    characters at offset ``8 + at`` (in the header) read as :data:`PENDING`."""
     h = hashlib.sha256()
-    h.update(struct.pack("<Q", len(head)))
-    h.update(head[:at] + PENDING.encode() + head[at + 64:])
-    for chunk in iter(lambda: f.read(_CHUNK), b""):
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        h.update(data[:8 + at])
+        h.update(PENDING.encode())
+        h.update(data[8 + at + 64:])
+        return h.hexdigest()
+    head = data.read(8 + head_len)
+    h.update(head[:8 + at] + PENDING.encode() + head[8 + at + 64:])
+    for chunk in iter(lambda: data.read(_CHUNK), b""):
         h.update(chunk)
     return h.hexdigest()
 
@@ -140,26 +184,17 @@ def read_info(path) -> dict:
     (packed), ``type``, ``checksum`` (only the header is read; nothing is verified).
 
     Raises:
-        ValueError: not a safetensors file, or not one of ours (a field missing or bad), or
-            another :data:`FILE_FORMAT`; the message says which.
+        Damaged: truncated, or a header that does not parse.
+        ValueError: not a regular file, or not one of ours (a field missing), or another
+            :data:`FILE_FORMAT`; the message says which.
         OSError: the file cannot be read.
     """
-    with open(path, "rb") as f:
-        _, head = _header(f)
-    try:
-        meta = json.loads(head).get("__metadata__") or {}
-        info = {k: meta[_KEY + k] for k in ("file", "identity", "tokens", "type", "checksum")}
-    except (ValueError, AttributeError, KeyError) as err:
-        raise ValueError(f"not a stored conversation of this server ({type(err).__name__}: {err})")
-    if info["file"] != FILE_FORMAT:
-        raise ValueError(f"file layout {info['file']!r}, not {FILE_FORMAT!r}")
-    try:
-        info["tokens"] = base64.b64decode(info["tokens"], validate=True)
-    except ValueError as err:
-        raise ValueError(f"bad token key ({err})") from None
-    if len(info["tokens"]) % 4:
-        raise ValueError("bad token key (length)")
-    return info
+    with _open_regular(path) as f:
+        start = f.read(8)
+        data = start + f.read(struct.unpack("<Q", start)[0] if len(start) == 8
+                              and struct.unpack("<Q", start)[0] <= MAX_HEADER else 0)
+    head, _ = _header(data)
+    return _fields(head)
 
 
 def write_entry(folder, name: str, cache: list, meta: dict[str, str]) -> int:
@@ -182,11 +217,13 @@ def write_entry(folder, name: str, cache: list, meta: dict[str, str]) -> int:
                  "qfilters_mlx_type": meta["type"], "qfilters_mlx_checksum": PENDING}
         save_prompt_cache(tmp, cache, extra)
         with open(tmp, "r+b") as f:
-            _, head = _header(f)
+            start = f.read(8)
+            head, n = _header(start + f.read(struct.unpack("<Q", start)[0]))
             at = head.find(PENDING.encode())
             if at < 0 or head.find(PENDING.encode(), at + 1) >= 0:
                 raise ValueError("the checksum field is not found once in the written header")
-            digest = _digest(f, head, at)
+            f.seek(0)
+            digest = _digest(f, n, at)
             f.seek(8 + at)
             f.write(digest.encode())
             f.flush()
@@ -206,28 +243,31 @@ def write_entry(folder, name: str, cache: list, meta: dict[str, str]) -> int:
 
 def verified_load(path, identity: str, key: bytes) -> list:
     """The caches in the file at ``path``, after checking its checksum, that it was written for
-    ``identity`` and that its token key is ``key``.
+    ``identity`` and that its token key is ``key``: the file is read once, and mlx-lm's
+    ``load_prompt_cache`` reads the caches from the bytes that were checked.
 
     Raises:
-        ValueError: damaged (checksum, truncation, a header that does not parse), another
-            identity or token key, or caches that do not load (their error); the message says
-            which. OSError: the file cannot be read.
+        Damaged: checksum, truncation, a header that does not parse. ValueError: not a regular
+            file, another identity or token key, or caches that do not load (their error); the
+            message says which. OSError: the file cannot be read.
     """
     from mlx_lm.models.cache import load_prompt_cache
 
-    info = read_info(path)
+    with _open_regular(path) as f:
+        data = f.read()
+    head, n = _header(data)
+    info = _fields(head)
     if info["identity"] != identity:
         raise ValueError("written by another model or cache configuration")
     if info["tokens"] != key:
         raise ValueError("its token key is not the one its name stands for")
-    with open(path, "rb") as f:
-        _, head = _header(f)
-        at = head.find(info["checksum"].encode())
-        if len(info["checksum"]) != 64 or at < 0:
-            raise ValueError("bad checksum field")
-        if _digest(f, head, at) != info["checksum"]:
-            raise ValueError("checksum mismatch (damaged)")
+    at = head.find(info["checksum"].encode())
+    if at < 0 or _digest(data, n, at) != info["checksum"]:
+        raise Damaged("checksum mismatch (damaged)")
+    buffer = io.BytesIO(data)
+    buffer.name = Path(path).name  # (mx.load tells the format by the name's suffix)
+    del data
     try:
-        return load_prompt_cache(str(path))
+        return load_prompt_cache(buffer)
     except Exception as err:  # noqa: BLE001 - any failure to rebuild the caches is the file's
         raise ValueError(f"its caches do not load ({type(err).__name__}: {err})") from None

@@ -158,7 +158,9 @@ def generator_class(server):
                 open_disk = getattr(self.prompt_cache, "open_disk", None)
                 if open_disk is not None:  # (--prompt-cache-dir: its files, for this model)
                     p = self.model_provider
-                    open_disk(p.model_key, p.model, p.draft_model)
+                    flags = ("kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size")
+                    open_disk(p.model_key, p.model, p.draft_model,
+                              {k: getattr(self.cli_args, k, None) for k in flags})
             except Exception as err:  # noqa: BLE001 (raised again in the starting thread)
                 self._load_error = err
                 self._generation_failed = True
