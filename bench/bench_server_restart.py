@@ -141,8 +141,16 @@ def restart_run(arm, model, text, log_dir, tag, kill) -> dict:
     return out
 
 
+SOAK_TOKENS = 140
+
+
 def _soak_messages(texts, i) -> list[dict]:
-    return [{"role": "user", "content": f"Note {i}. " + texts.span(140) + " What is this about?"}]
+    """Conversation ``i``'s question: a span of the text, taken in turn and around again when the
+    text runs out (its number first, so no two conversations share more than a few tokens)."""
+    ids = texts.ids
+    at = (i * SOAK_TOKENS) % (len(ids) - SOAK_TOKENS)
+    span = texts.tokenizer.decode(ids[at:at + SOAK_TOKENS])
+    return [{"role": "user", "content": f"Note {i}. " + span + " What is this about?"}]
 
 
 def _ask(port, messages, max_tokens=8) -> dict:
