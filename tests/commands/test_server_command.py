@@ -348,3 +348,54 @@ def test_map_large_blocks_returns_freed_blocks_at_once():
     freed = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
                                       check=True).stdout) for mode in ("default", "mapped")}
     assert freed["mapped"] >= 90 and freed["default"] <= 8, freed
+
+
+@pytest.mark.parametrize("text, n", [("20G", 20 * 10**9), ("500M", 500 * 10**6), ("1.5g", 15 * 10**8),
+                                     ("4096", 4096), ("64KB", 64_000)])
+def test_the_disk_bound_reads_sizes_with_suffixes(text, n):
+    args, _ = server.cache_parser().parse_known_args(["--prompt-cache-disk-bytes", text])
+    assert args.prompt_cache_disk_bytes == n
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--prompt-cache-disk-bytes", "5G"], "name the folder"),
+    (["--prompt-cache-disk-bytes", "lots", "--prompt-cache-dir", "{tmp}/d"], "not a byte count"),
+    (["--prompt-cache-disk-bytes", "0", "--prompt-cache-dir", "{tmp}/d"], "must be >= 1"),
+    (["--prompt-cache-disk-bytes", "inf", "--prompt-cache-dir", "{tmp}/d"], "not a byte count"),
+    (["--prompt-cache-dir", "{tmp}/open"], "chmod 700"),
+    (["--prompt-cache-dir", "{tmp}/file"], "file: not a folder"),
+    (["--prompt-cache-dir", "{tmp}/file/d"], "prompt-cache-dir .*/file/d: Not a directory"),
+    (["--prompt-cache-dir", "{tmp}/locked"], "another server uses this folder"),
+])
+def test_bad_disk_flags_are_refused_before_the_model_loads(argv, why, tmp_path, capsys, monkeypatch):
+    import argparse
+    import os
+    import re
+
+    from qfilters_mlx.commands.server_files import lock_folder
+
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o755)
+    (tmp_path / "file").write_text("x")
+    held = lock_folder(tmp_path / "locked")  # (another server)
+    parser = build_parser()
+    monkeypatch.setattr("qfilters_mlx.commands.model_path.resolve_model",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("past the check")))
+    args = argparse.Namespace(server_args=[a.format(tmp=tmp_path) for a in argv])
+    with pytest.raises(SystemExit):
+        server.run(parser, args)
+    assert re.search(why, capsys.readouterr().err)
+    held.close()
+
+
+def test_a_good_folder_passes_the_checks_and_is_created_private(tmp_path, monkeypatch):
+    import argparse
+    import stat
+
+    parser = build_parser()
+    monkeypatch.setattr("qfilters_mlx.commands.model_path.resolve_model",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("past the check")))
+    args = argparse.Namespace(server_args=["--prompt-cache-dir", str(tmp_path / "a" / "b")])
+    with pytest.raises(RuntimeError, match="past the check"):
+        server.run(parser, args)
+    assert stat.S_IMODE((tmp_path / "a" / "b").stat().st_mode) == 0o700

@@ -290,6 +290,19 @@ def run(parser, args, blas_library: str | None = None) -> int:
     size = cache_args.prompt_cache_size
     rest += ["--allowed-origins", cache_args.allowed_origins,
              "--prompt-cache-size", str(DEFAULT_PROMPT_CACHE_SIZE if size is None else size)]
+    disk = None
+    if cache_args.prompt_cache_dir is not None and not helping:
+        from qfilters_mlx.commands.server_files import lock_folder
+
+        try:  # (before the model loads: a second server on the folder stops at once)
+            lock = lock_folder(cache_args.prompt_cache_dir)
+        except (ValueError, RuntimeError) as err:
+            ours.error(str(err))
+        except OSError as err:
+            ours.error(f"--prompt-cache-dir {cache_args.prompt_cache_dir}: {err.strerror or err}")
+        disk = (cache_args.prompt_cache_dir, cache_args.prompt_cache_disk_bytes or DEFAULT_DISK_BYTES, lock)
+    elif cache_args.prompt_cache_disk_bytes is not None:
+        ours.error("--prompt-cache-disk-bytes bounds the files of --prompt-cache-dir: name the folder")
     served = None
     if not helping:
         map_large_blocks()  # (before the model loads: freed blocks leave the resident set)
@@ -298,17 +311,6 @@ def run(parser, args, blas_library: str | None = None) -> int:
         served = _served(cache_args, model_path, quantized)
     else:
         rest.append("--help")
-    disk = None
-    if cache_args.prompt_cache_dir is not None and not helping:
-        from qfilters_mlx.commands.server_files import lock_folder
-
-        try:  # (before the model loads: a second server on the folder stops at once)
-            lock = lock_folder(cache_args.prompt_cache_dir)
-        except (OSError, ValueError, RuntimeError) as err:
-            ours.error(str(err))
-        disk = (cache_args.prompt_cache_dir, cache_args.prompt_cache_disk_bytes or DEFAULT_DISK_BYTES, lock)
-    elif cache_args.prompt_cache_disk_bytes is not None:
-        ours.error("--prompt-cache-disk-bytes bounds the files of --prompt-cache-dir: name the folder")
     limits = {k: v for k, v in (("max_connections", cache_args.max_connections),
                                 ("body_timeout", cache_args.body_timeout)) if v is not None}
     server, provider, prompt_cache, generator, handler = _classes(

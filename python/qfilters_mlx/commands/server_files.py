@@ -92,12 +92,13 @@ def lock_folder(folder) -> object:
         ValueError: ``folder`` is not a folder, is not owned by this user, or others may read,
             write or enter it (its mode and the ``chmod`` that fixes it named).
         RuntimeError: another process holds the lock (another server uses the folder).
+        OSError: the folder cannot be created, or its lock file opened.
     """
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--prompt-cache-dir {folder}: not a folder")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.stat(folder)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"--prompt-cache-dir {folder}: not a folder")
     if st.st_uid != os.geteuid():
         raise ValueError(f"--prompt-cache-dir {folder}: owned by another user (uid {st.st_uid})")
     if st.st_mode & 0o077:
