@@ -42,7 +42,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from qfilters_mlx.filters.head_budgets import DEFAULT_BIG_HEADS, DEFAULT_MULTIPLE, big_heads, head_budgets
-from qfilters_mlx.filters.head_ranking import SPANS
+from qfilters_mlx.filters.head_ranking import SPANS, calibration_needles
 from qfilters_mlx.filters.head_store import resolve_head_ranking
 
 OUT = common.RESULTS / "head_ranking.json"
@@ -116,7 +116,9 @@ def main() -> None:
     out = {"meta": meta, "timing": timing,
            "ranking": np.round(ranking, 6).tolist(),
            "top": [{"layer": l, "head": h, "needle_attention": round(float(ranking[l, h]), 4)} for l, h in top],
-           "recalled": f"{measured.recalled}/{measured.prompts}", "overlap": {}}
+           "recalled": f"{measured.recalled}/{measured.prompts}", "overlap": {},
+           "tokens": {"computed": measured.computed,
+                      "in_passes": sum(len(n.prompt.tokens) - 1 for n in calibration_needles(tokenizer))}}
     half = len(measured.forms) // len(SPANS)  # (the needles come span by span)
     per_form.update({f"span {s}": measured.per_needle[i * half:(i + 1) * half] for i, s in enumerate(SPANS)})
     for form, runs in per_form.items():
@@ -148,7 +150,9 @@ def main() -> None:
           f"{beside}; found again: {timing['found_s']} s. "
           f"Load average {', '.join(f'{x:.1f}' for x in out['meta']['loadavg_start'])} at start, "
           f"{', '.join(f'{x:.1f}' for x in timing['loadavg_end'])} at the end (2 cores, shared). "
-          f"The full cache answers {out['recalled']} of the needles.", "",
+          f"The full cache answers {out['recalled']} of the needles. The 12 passes hold "
+          f"{out['tokens']['in_passes']:,} tokens; {out['tokens']['computed']:,} went through the model (the "
+          "others are starts shared with an earlier needle, their keys and values reused).", "",
           *common.md_table(["rank", "layer", "KV head", "needle attention"],
                            [[i + 1, t["layer"], t["head"], t["needle_attention"]] for i, t in enumerate(out["top"])],
                            "rrrr"), "",
