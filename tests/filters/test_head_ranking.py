@@ -102,6 +102,7 @@ def _np_attention(q, k, v, scale, sinks=None):
 
 
 @pytest.mark.parametrize("T, S, sinks", [(BLOCK + 37, BLOCK + 37, False), (BLOCK + 37, 2 * BLOCK + 5, False),
+                                         (BLOCK, BLOCK, False), (BLOCK - 1, 2 * BLOCK, False), (1, 40, False),
                                          (3, 300, False), (BLOCK + 1, 200, True)])
 def test_attend_rows_against_numpy_and_mlx_attention(T, S, sinks):
     rng = np.random.default_rng(T + S)
@@ -109,12 +110,13 @@ def test_attend_rows_against_numpy_and_mlx_attention(T, S, sinks):
     k = rng.standard_normal((2, S, 16), dtype=np.float32) * 2
     v = rng.standard_normal((2, S, 8), dtype=np.float32)
     s = rng.standard_normal(6).astype(np.float32) * 3 if sinks else None
-    rows, cols = [S - T, S - 2, S - 1], [0, 1, 5, S - T - 1 if S > T else 2]
+    rows, cols = sorted({S - T, S - 2, S - 1} & set(range(S - T, S))), [0, 1, 5, S - T - 1 if S > T else 2]
     out, mass = attend_rows(mx.array(q), mx.array(k), mx.array(v), 0.25, rows, cols,
                             None if s is None else mx.array(s))
     want, w = _np_attention(q, k, v, 0.25, s)
     np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-5)
     per_q = w[:, [r - (S - T) for r in rows]][..., cols].sum(axis=(1, 2)) / len(rows)
+    assert out.shape == (6, T, 8) and out.dtype == mx.float32 and mass.shape == (2,)
     np.testing.assert_allclose(mass, per_q.reshape(2, 3).mean(axis=1), rtol=1e-5, atol=1e-7)
     fast = mx.fast.scaled_dot_product_attention(mx.array(q)[None], mx.array(k)[None], mx.array(v)[None], scale=0.25,
                                                 mask="causal", sinks=None if s is None else mx.array(s))

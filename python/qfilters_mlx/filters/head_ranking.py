@@ -182,7 +182,7 @@ class _Rows:
 
 
 def attend_rows(q: mx.array, k: mx.array, v: mx.array, scale: float, rows: list, cols: list,
-                sinks: mx.array | None = None) -> tuple[mx.array, np.ndarray]:
+                sinks: mx.array | None = None) -> tuple[mx.array, np.ndarray | None]:
     """Causal grouped-query attention of the last ``T`` of ``S`` positions, and the weight some
     of those queries give some keys.
 
@@ -197,13 +197,14 @@ def attend_rows(q: mx.array, k: mx.array, v: mx.array, scale: float, rows: list,
         sinks: ``[H_q]`` attention-sink logits (an extra key with a zero value), or ``None``.
 
     Returns:
-        ``(out [H_q, T, D_v] float32, mass [H] float64 or None)``: ``out[i, t] = sum_j p[i, t, j] v[j]``
-        with ``p = softmax(scale * q k^T)`` over the keys ``j <= S - T + t`` (what
-        ``mx.fast.scaled_dot_product_attention`` computes with ``mask="causal"``, to float32
-        rounding), and ``mass[h]`` the mean over ``rows`` and the query heads of KV head ``h``
-        of ``sum_{j in cols} p`` (``None`` when no row is queried here). The products run in MLX, the softmax in numpy (MLX's CPU
-        exponential is scalar), in blocks of :data:`BLOCK` queries, so the causal part after a
-        block's last query is never computed.
+        ``(out [H_q, T, D_v] float32, mass [H] float64 or None)``:
+        ``out[i, t] = sum_j p[i, t, j] v[j]`` with ``p = softmax(scale * q k^T)`` over the keys
+        ``j <= S - T + t`` (what ``mx.fast.scaled_dot_product_attention`` computes with
+        ``mask="causal"``, to float32 rounding), and ``mass[h]`` the mean over ``rows`` and the
+        query heads of KV head ``h`` of ``sum_{j in cols} p`` (``None`` when no row is queried
+        here). The products run in MLX, the softmax in numpy (MLX's CPU exponential is scalar),
+        in blocks of :data:`BLOCK` queries, so the causal part after a block's last query is
+        never computed.
 
     Raises:
         ValueError: some rows queried here and some not.
