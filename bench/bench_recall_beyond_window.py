@@ -25,8 +25,11 @@ full-cache pass of the same sequence, question and answer included, from the que
 the recent window: :func:`qfilters_mlx.evaluation.oracle.oracle_arms`); ``heads``
 (``heads="calibrated"``: the per-head budgets and windows of
 :func:`qfilters_mlx.cache.head_group_build.resolve_heads` at the budget, with the default's filter;
-``--arms`` runs some arms only, keeping the others' cells). The shares count the arms run on every
-prompt the full cache recalls.
+``--arms`` runs some arms only, keeping the others' cells); and, not run unless named in ``--arms``,
+head groups whose big heads keep their tokens by another rule (``sim_arms.BIG_HEAD_RULES``:
+``heads_norm`` the keys of lowest L2 norm, ``heads_window`` a recent window of their whole budget,
+``heads_oracle`` the oracle's score inside the big heads, the ceiling for a score there). The
+shares count the arms run on every prompt the full cache recalls.
 
 Usage (resumable; ``--report`` rewrites the tables only)::
 
@@ -39,6 +42,9 @@ Usage (resumable; ``--report`` rewrites the tables only)::
         --arms streaming_llm,default,heads --out bench/results/recall_beyond_window_long.json
     python bench/bench_recall_beyond_window.py --model qwen2.5-coder-0.5b \
         --out bench/results/recall_beyond_window_qwen.json   # another registered model
+    python bench/bench_recall_beyond_window.py --context 2000 --depths 0.1,0.3,0.5,0.7 --budgets 256 \
+        --arms heads,heads_norm,heads_window,heads_oracle \
+        --out bench/results/recall_big_heads.json   # what the big heads keep, by distance
 
 Writes ``bench/results/recall_beyond_window.json`` and ``.md`` (or ``--out``).
 """
@@ -57,7 +63,7 @@ import numpy as np
 from mlx_lm import load
 from scipy.stats import binomtest
 
-from sim_arms import Arms, heads_note
+from sim_arms import BIG_HEAD_RULES, Arms, heads_note
 from qfilters_mlx.assets.models import get_model
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import source_text
@@ -67,7 +73,8 @@ from qfilters_mlx.evaluation.simulate import simulated_predictions
 
 CONTEXT, PREFIX = 400, 32
 BUDGETS = (128, 64)
-ARMS = ("streaming_llm", "default", "oracle", "heads")
+ARMS = ("streaming_llm", "default", "oracle", "heads", *BIG_HEAD_RULES)
+DEFAULT_ARMS = ARMS[:4]
 OFFSETS = (200_000, 215_000, 230_000, 245_000)
 DEPTHS = (0.1, 0.3, 0.5)
 OUT = common.RESULTS / "recall_beyond_window.json"
@@ -190,7 +197,7 @@ def markdown(results: dict, s: dict) -> str:
              f"the end of the prompt); the full cache recalls the key in {s['full_recalled']} of them; "
              f"shares below over the {s['counted']} of those where every arm ran. Default filters: "
              f"{re.sub(r'/tmp/[^ ]+ ', '', results.get('default_filters', '-'))}."
-             + (f" {heads_note(results)}" if "heads" in s["arms"] else ""), "",
+             + (f" {heads_note(results)}" if "heads" in results else ""), "",
              "Recalled / prompts the full cache recalls [exact 95% interval]; median NLL of the key's "
              f"tokens in nats (full cache: {s['median_full_key_nll']:.2f}); key kept: the share of (layer, KV "
              "head, key token) where the needle's key tokens are in the cache when the answer's first key "
@@ -226,7 +233,7 @@ def main() -> int:
     p.add_argument("--budgets", type=common.int_list, default=list(BUDGETS))
     p.add_argument("--context", type=int, default=CONTEXT, help="context tokens around the key")
     p.add_argument("--out", default=str(OUT))
-    p.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS), help="arms to run (of ARMS)")
+    p.add_argument("--arms", type=lambda s: s.split(","), default=list(DEFAULT_ARMS), help="arms to run (of ARMS)")
     p.add_argument("--report", action="store_true")
     p.add_argument("--kept", action="store_true", help="only measure whether the needle is in the cache")
     common.add_model_arg(p)

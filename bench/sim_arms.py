@@ -1,6 +1,7 @@
 """The simulator's arms shared by the benches of the simulator (held-out perplexity, recall
 beyond the window, KV directions, head rule): StreamingLLM, the default (its filter made as a
-first use makes it), the oracle and head groups (``heads="calibrated"``)."""
+first use makes it), the oracle and head groups (``heads="calibrated"``), and head groups whose
+big heads keep their tokens by another rule (:data:`BIG_HEAD_RULES`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from qfilters_mlx.evaluation.oracle import oracle_arms
 from qfilters_mlx.evaluation.simulate import MaskedArm
 
 N_SINK = 4
+BIG_HEAD_RULES = ("heads_norm", "heads_window", "heads_oracle")
+"""Head groups at the budgets and windows of ``heads`` (the other heads unchanged: their window
+and the filter's score), the big heads keeping, beside their sinks and that window: the keys of
+lowest L2 norm (``heads_norm``; Devoto et al. 2024, "A Simple and Effective L2 Norm-Based
+Strategy for KV Cache Compression"), a recent window of their whole budget (``heads_window``:
+``n_sink`` sinks and ``budget - n_sink - 1`` recent), or the keys the full cache attends most
+after they leave the window (``heads_oracle``: :func:`attention_received`, a ceiling that sees
+the future)."""
 
 
 def default_filters(model, tokenizer):
@@ -75,14 +84,47 @@ class Arms:
         hb = self.heads[budget]
         return MaskedArm(cfg, filters=self.default_filters(), budgets=hb.budgets, recents=hb.recents)
 
+    def big_rule_arm(self, arm: str, budget: int, tokens) -> MaskedArm:
+        """An arm of :data:`BIG_HEAD_RULES` at ``budget`` on ``tokens`` (the oracle's scores are
+        those of ``tokens``)."""
+        import mlx.core as mx
+
+        from qfilters_mlx.evaluation.oracle import attention_received
+
+        base = self.heads_arm(budget)
+        big = [[b > budget for b in row] for row in base.budgets]
+        if arm == "heads_window":
+            recents = tuple(tuple(b - N_SINK - 1 if g else r for b, r, g in zip(bs, rs, gs))
+                            for bs, rs, gs in zip(base.budgets, base.recents, big))
+            return MaskedArm(base.config, filters=base.filters, budgets=base.budgets, recents=recents)
+        if arm == "heads_norm":
+            def big_score(layer, keys):
+                return -mx.sqrt((keys.astype(mx.float32) ** 2).sum(axis=-1))
+        elif arm == "heads_oracle":
+            received = attention_received(self.model, list(tokens)[:-1], [base.windows])[0]
+
+            def big_score(layer, keys):
+                if keys.shape[2] != len(received[layer][0]):
+                    raise ValueError(f"heads_oracle: scores for {len(received[layer][0])} keys, asked for "
+                                     f"{keys.shape[2]}")
+                return mx.array(received[layer])[None]
+        else:
+            raise ValueError(f"unknown big-head rule {arm!r}; known: {', '.join(BIG_HEAD_RULES)}")
+
+        def score(layer, keys):
+            return mx.where(mx.array(big[layer])[None, :, None], big_score(layer, keys), base.scores(layer, keys))
+
+        return MaskedArm(base.config, score=score, budgets=base.budgets, recents=base.recents)
+
     def for_tokens(self, tokens, todo) -> dict:
         """``{(arm, budget): MaskedArm}`` for ``todo`` (``(arm, budget)`` pairs) on ``tokens``."""
         bs = [b for arm, b in todo if arm == "oracle"]
         oracles = dict(zip(bs, oracle_arms(self.model, tokens, [config("oracle", b, self.hd) for b in bs]))) \
             if bs else {}
-        return {(arm, b): oracles[b] if arm == "oracle" else self.heads_arm(b) if arm == "heads" else MaskedArm(
-            config(arm, b, self.hd), filters=self.default_filters() if arm == "default" else None)
-            for arm, b in todo}
+        return {(arm, b): oracles[b] if arm == "oracle" else self.heads_arm(b) if arm == "heads" else
+                self.big_rule_arm(arm, b, tokens) if arm in BIG_HEAD_RULES else MaskedArm(
+                    config(arm, b, self.hd), filters=self.default_filters() if arm == "default" else None)
+                for arm, b in todo}
 
 
 def heads_note(results: dict) -> str:

@@ -12,6 +12,15 @@ prompts) in whole lines from each of :data:`SPANS` starting points, a needle in 
 each of :data:`DEPTHS`, framed by an instruction and a question (the chat template's user turn
 when the tokenizer has one): 12 prompts, one forward pass each.
 
+How the passes are computed (the same quantity, to float32 rounding; tested against numpy from
+the queries and keys of mlx-lm's own full-cache pass): the attention of every layer is routed
+through :func:`attend_rows` (matrix products in MLX, the softmax in numpy, causal blocks of
+:data:`BLOCK` queries; MLX's CPU exponential is scalar, and the softmax was most of a pass);
+the tokens before the first answer query run through the model's backbone only (no logits: the
+output head of a large vocabulary costs as much as many layers), and a needle's first tokens
+that an earlier needle of the last six shares (the instruction and the text before the needle)
+reuse that pass's keys and values instead of being computed again.
+
 Every prompt counts, whether or not the full cache answers it (the count it answers is reported):
 the attention of the copying queries is measured either way.
 """
@@ -28,8 +37,8 @@ import numpy as np
 from qfilters_mlx.filters.attention_route import refuse_own_mask, route_attention
 from qfilters_mlx.filters.needles import NeedlePrompt, needle_body, needle_sequence
 
-__all__ = ["CONTEXT_TOKENS", "DEPTHS", "FORMS", "SPANS", "CalibrationNeedle", "HeadRanking",
-           "NeedleForm", "calibration_needles", "needle_attention", "needle_pass", "rank_heads"]
+__all__ = ["BLOCK", "CONTEXT_TOKENS", "DEPTHS", "FORMS", "SPANS", "CalibrationNeedle", "HeadRanking",
+           "NeedleForm", "attend_rows", "calibration_needles", "needle_attention", "needle_pass", "rank_heads"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,8 @@ class HeadRanking:
         recalled: how many of them the full cache answers (every key token ranked first).
         seconds: wall time of the measurement.
         source: the calibration text's description.
+        computed: tokens that went through the model (the prompts' other tokens reused an
+            earlier needle's keys and values).
     """
 
     ranking: np.ndarray
@@ -105,6 +116,7 @@ class HeadRanking:
     recalled: int
     seconds: float
     source: str
+    computed: int
 
 
 def _chat(tokenizer, message: str) -> str:
@@ -142,31 +154,97 @@ def calibration_needles(tokenizer, text: str | None = None) -> list[CalibrationN
     return out
 
 
-class _Rows:
-    """Stand-in for one layer's cache in a full-cache pass; the routed attention records the
-    weights of the query rows ``rows`` on the key columns ``cols`` (summed, per KV head)."""
+BLOCK = 128
+"""Queries per block of the ranking pass's attention (the causal part beyond a block's last
+query is never computed)."""
 
-    def __init__(self, layer: int, rows: list, cols: list):
+
+class _Rows:
+    """Stand-in for one layer's cache in a full-cache pass: holds the layer's keys and values
+    (``prefix``: those of the first tokens, from an earlier pass over the same tokens), and the
+    routed attention records the weights of the query rows ``rows`` (positions in the sequence)
+    on the key columns ``cols`` (per KV head: summed over them, averaged over the rows and the
+    KV head's query heads)."""
+
+    def __init__(self, layer: int, rows: list, cols: list, prefix: tuple | None = None):
         self.layer, self.rows, self.cols = layer, rows, cols
-        self.offset = 0
+        self.keys, self.values = prefix if prefix is not None else (None, None)
+        self.offset = 0 if self.keys is None else self.keys.shape[2]
         self.mass = None
 
     def update_and_fetch(self, keys, values):
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        self.keys, self.values = keys, values
         self.offset = keys.shape[2]
         return keys, values
 
 
+def attend_rows(q: mx.array, k: mx.array, v: mx.array, scale: float, rows: list, cols: list,
+                sinks: mx.array | None = None) -> tuple[mx.array, np.ndarray | None]:
+    """Causal grouped-query attention of the last ``T`` of ``S`` positions, and the weight some
+    of those queries give some keys.
+
+    Args:
+        q: ``[H_q, T, D]`` queries (after RoPE) of positions ``S - T .. S - 1``.
+        k, v: ``[H, S, D]`` and ``[H, S, D_v]`` keys and values; query head ``i`` reads KV head
+            ``i // (H_q // H)``.
+        scale: the logits' scale.
+        rows: positions of the queries whose weights are recorded: all in ``S - T .. S - 1``,
+            or none (then no weights are recorded).
+        cols: key positions summed over.
+        sinks: ``[H_q]`` attention-sink logits (an extra key with a zero value), or ``None``.
+
+    Returns:
+        ``(out [H_q, T, D_v] float32, mass [H] float64 or None)``:
+        ``out[i, t] = sum_j p[i, t, j] v[j]`` with ``p = softmax(scale * q k^T)`` over the keys
+        ``j <= S - T + t`` (what ``mx.fast.scaled_dot_product_attention`` computes with
+        ``mask="causal"``, to float32 rounding), and ``mass[h]`` the mean over ``rows`` and the
+        query heads of KV head ``h`` of ``sum_{j in cols} p`` (``None`` when no row is queried
+        here). The products run in MLX, the softmax in numpy (MLX's CPU exponential is scalar),
+        in blocks of :data:`BLOCK` queries, so the causal part after a block's last query is
+        never computed.
+
+    Raises:
+        ValueError: some rows queried here and some not.
+    """
+    H_q, T, D = q.shape
+    H, S, _ = k.shape
+    G, start = H_q // H, S - T
+    inside = [start <= r < S for r in rows]
+    if any(inside) != all(inside):
+        raise ValueError(f"rows {rows} partly in the queried positions {start}..{S - 1}")
+    q = (q.astype(mx.float32) * scale).reshape(H, G, T, D)
+    k, v = k.astype(mx.float32), v.astype(mx.float32)
+    sink = None if sinks is None else np.array(sinks.astype(mx.float32)).reshape(H, G, 1, 1)
+    outs, mass = [], np.zeros(H)
+    for a in range(0, T, BLOCK):
+        b = min(a + BLOCK, T)
+        m, n = b - a, start + b
+        logits = np.array(q[:, :, a:b].reshape(H, G * m, D) @ k[:, :n].swapaxes(1, 2)).reshape(H, G, m, n)
+        logits[..., start + a:][..., np.triu(np.ones((m, m), bool), 1)] = -np.inf
+        top = logits.max(axis=-1, keepdims=True)
+        if sink is not None:
+            top = np.maximum(top, sink)
+        p = np.exp(logits - top)
+        denom = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom += np.exp(sink - top)
+        p /= denom
+        outs.append((mx.array(p.reshape(H, G * m, n)) @ v[:, :n]).reshape(H, G, m, -1))
+        for r in rows:
+            if a <= r - start < b:
+                mass += p[:, :, r - start - a, cols].sum(axis=(1, 2))
+    return mx.concatenate(outs, axis=2).reshape(H_q, T, -1), mass / (G * len(rows)) if all(inside) else None
+
+
 def _rows_sdpa(queries, keys, values, cache, scale, mask, sinks):
     refuse_own_mask(cache.layer, mask)
-    _, H_q, T, _ = queries.shape
-    H = keys.shape[1]
-    q = queries[0].astype(mx.float32)[:, mx.array(cache.rows)]  # [H_q, R, D]
-    logits = (q * scale) @ mx.repeat(keys[0].astype(mx.float32), H_q // H, axis=0).swapaxes(-1, -2)
-    causal = mx.arange(T)[None, :] <= mx.array(cache.rows)[:, None]  # [R, T]
-    probs = mx.softmax(mx.where(causal, logits, -mx.inf), axis=-1, precise=True)
-    per_q = probs[:, :, mx.array(cache.cols)].sum(axis=(1, 2))  # [H_q]
-    cache.mass = np.array(per_q.reshape(H, H_q // H).mean(axis=1)) / len(cache.rows)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal", sinks=sinks)
+    out, mass = attend_rows(queries[0], keys[0], values[0], scale, cache.rows, cache.cols, sinks)
+    if mass is not None:
+        cache.mass = mass
+    return out[None].astype(queries.dtype)
 
 
 def needle_pass(model, prompt: NeedlePrompt) -> tuple[np.ndarray, bool]:
@@ -178,18 +256,38 @@ def needle_pass(model, prompt: NeedlePrompt) -> tuple[np.ndarray, bool]:
         ValueError: a layer attends with its own mask (a sliding window): not measured.
         RuntimeError: some layer's attention did not go through the routed path.
     """
+    mass, recalled, _ = _needle_pass(model, prompt, 0, None)
+    return mass, recalled
+
+
+def _needle_pass(model, prompt: NeedlePrompt, shared: int, prefix: list | None):
+    """:func:`needle_pass` with the first ``shared`` tokens' keys and values of every layer
+    given (``prefix``: ``(keys, values)`` per layer, ``[1, H, >= shared, D]``, from a pass over
+    the same first tokens); also returns every layer's ``(keys, values)`` of the whole pass."""
     n = len(prompt.key_positions)
     rows = [p - 1 for p in prompt.key_positions]
     cols = list(range(prompt.needle_position, prompt.needle_position + n))
-    caches = [_Rows(i, rows, cols) for i in range(len(model.layers))]
+    caches = [_Rows(i, rows, cols, None if not shared else (k[:, :, :shared], v[:, :, :shared]))
+              for i, (k, v) in enumerate(prefix or [(None, None)] * len(model.layers))]
+    body = getattr(model, "model", None)  # the backbone, when it owns the layers the caches serve
+    split = rows[0] if getattr(body, "layers", None) is model.layers else shared
     with route_attention(_Rows, _rows_sdpa):
-        logits = model(mx.array(prompt.tokens[:-1])[None], cache=caches)[0, mx.array(rows)]
+        if split > shared:  # the tokens before the first row through the backbone only (no logits)
+            body(mx.array(prompt.tokens[shared:split])[None], cache=caches)
+        logits = model(mx.array(prompt.tokens[split:-1])[None], cache=caches)[0, mx.array(rows) - split]
         best = mx.argmax(logits, axis=-1)
         mx.eval(best)
     if any(c.mass is None for c in caches):
         raise RuntimeError("needle_attention: some layer's attention did not go through the routed path")
     recalled = best.tolist() == [prompt.tokens[p] for p in prompt.key_positions]
-    return np.stack([c.mass for c in caches]), recalled
+    return np.stack([c.mass for c in caches]), recalled, [(c.keys, c.values) for c in caches]
+
+
+def _shared_tokens(a: list, b: list) -> int:
+    """Length of the common start of two token lists."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 def needle_attention(model, prompt: NeedlePrompt) -> np.ndarray:
@@ -210,11 +308,19 @@ def rank_heads(model, tokenizer) -> HeadRanking:
     tic = time.perf_counter()
     text, source = calibration_text()
     needles = calibration_needles(tokenizer, text)
-    runs, recalled = [], 0
+    runs, recalled, computed, done = [], 0, 0, []  # done: (tokens, keys and values) of the last passes
     for needle in needles:
-        mass, ok = needle_pass(model, needle.prompt)
+        tokens = needle.prompt.tokens
+        shared, prefix = 0, None
+        for earlier, kv in done:  # the longest start shared with an earlier needle is not recomputed
+            n = min(_shared_tokens(earlier, tokens), len(earlier) - 1, needle.prompt.key_positions[0] - 1)
+            if n > shared:
+                shared, prefix = n, kv
+        mass, ok, kv = _needle_pass(model, needle.prompt, shared, prefix)
+        done = [*done, (tokens, kv)][-len(FORMS) * len(DEPTHS):]
+        computed += len(tokens) - 1 - shared
         runs.append(mass)
         recalled += ok
     per_needle = np.stack(runs).astype(np.float64)
     return HeadRanking(per_needle.mean(axis=0), per_needle, tuple(n.form for n in needles), len(runs), recalled,
-                       time.perf_counter() - tic, source)
+                       time.perf_counter() - tic, source, computed)
