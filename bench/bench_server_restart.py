@@ -166,6 +166,7 @@ def soak(model, texts, n, every, probes, log_dir, kill) -> dict:
                                         log_dir / f"soak-{t}.log", env=_env(), start_timeout=600)
     convs, rounds, errors = [], [], 0
     t0 = time.perf_counter()
+    server = None
     try:
         server = start(0)
         for i in range(n):
@@ -213,6 +214,8 @@ def soak(model, texts, n, every, probes, log_dir, kill) -> dict:
                    "disk": (h.get("stored") or {}).get("disk")}
         server.stop()
     finally:
+        if server is not None:
+            server.stop()  # (also when a request failed: no server outlives the benchmark)
         shutil.rmtree(folder.parent, ignore_errors=True)
     return {"conversations": n, "every": every, "errors": errors, "rounds": rounds, "bounded": bounded,
             "write_s_per_file": write_s}
