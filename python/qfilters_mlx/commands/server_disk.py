@@ -94,14 +94,10 @@ def disk_conversations_class(base, folder, max_bytes: int | None = None, lock=No
                 self._pending.append(list(tokens))
                 return
             pending, self._pending = self._pending, []
-            written = []
-            for t in pending:
-                entry = self._stored(model, t)
-                if entry is not None and self._write(t, entry.prompt_cache, entry.cache_type):
-                    written.append(pack_tokens(t))
-            if self._write(tokens, prompt_cache, cache_type):
-                written.append(pack_tokens(tokens))
-            written = [w for w in written if w is not None]
+            entries = [(t, self._stored(model, t)) for t in pending]
+            keys = [self._write(t, e.prompt_cache, e.cache_type) for t, e in entries if e is not None]
+            keys.append(self._write(tokens, prompt_cache, cache_type))
+            written = [k for k in keys if k is not None]
             for name, key in list(self._replaced.items()):  # (removed once a written entry
                 if any(len(w) > len(key) and w.startswith(key) for w in written):  # continues them)
                     del self._replaced[name]
@@ -115,14 +111,15 @@ def disk_conversations_class(base, folder, max_bytes: int | None = None, lock=No
             except KeyError:
                 return None
 
-        def _write(self, tokens, cache, cache_type) -> bool:
+        def _write(self, tokens, cache, cache_type) -> bytes | None:
             """Write an entry; once written, remove the files of entries not in memory that the
-            stored conversations' rule drops for it (:func:`~.server_calls.drops_prefix`)."""
+            stored conversations' rule drops for it (:func:`~.server_calls.drops_prefix`).
+            Returns its packed key, or ``None`` when it was not written."""
             key = pack_tokens(tokens)
             if key is None or not self.disk.write(key, cache, cache_type):
-                return False
+                return None
             if cache_type == "system":
-                return True
+                return key
             old = [(n, e) for n, e in self.disk.prefixes(key) if e.cache_type != "system"]
             prompt = self._expected[0]  # (the request's prompt: an answer's own checkpoint is
             own = None  # its prompt but the last token, which a regenerated answer reuses)
@@ -130,12 +127,12 @@ def disk_conversations_class(base, folder, max_bytes: int | None = None, lock=No
                 own = len(prompt) - 1
             reach = rewind_reach(cache)
             for name, e in old:
-                length = len(e.key) // 4
+                length = e.n_tokens
                 if (self._stored(self._disk_model, tokens[:length]) is None
                         and drops_prefix(len(tokens), reach, e.cache_type, length,
                                          own_prompt=own is not None and length >= own)):
                     self.disk.remove(name)
-            return True
+            return key
 
         def _drop(self, model, tokens, in_lru: bool = True, bound: bool = False) -> None:
             super()._drop(model, tokens, in_lru, bound)
@@ -153,11 +150,11 @@ def disk_conversations_class(base, folder, max_bytes: int | None = None, lock=No
             if key is None:
                 return cache, rest
             found = self.disk.longest_prefix(key)
-            if found is not None and len(found[1].key) // 4 > served:
+            if found is not None and found[1].n_tokens > served:
                 loaded = self.disk.read(found[0])
                 if loaded is not None:
                     self._served = None  # (no stored answer in memory was found longer)
-                    return loaded, tokens[len(found[1].key) // 4:]
+                    return loaded, tokens[found[1].n_tokens:]
             if served > 0:  # (an entry served from memory: its file was used too)
                 self.disk.touch(file_name(self.disk.identity, key[:4 * served]))
             return cache, rest

@@ -77,6 +77,11 @@ class DiskEntry:
     def __init__(self, key: bytes, nbytes: int, cache_type: str, usable: bool = True):
         self.key, self.nbytes, self.cache_type, self.usable = key, nbytes, cache_type, usable
 
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the key (packed int32: :func:`~.server_files.pack_tokens`)."""
+        return len(self.key) // 4
+
 
 class DiskIndex:
     """The files of ``folder`` (locked while this lives), least recently used first.

@@ -143,6 +143,14 @@ def _header(data: bytes) -> tuple[bytes, int]:
     return data[8:8 + n], n
 
 
+def _read_header(f) -> tuple[bytes, int]:
+    """``(header, length)`` of the safetensors file ``f``, read from its start (:func:`_header`'s
+    checks: a length field over :data:`MAX_HEADER` or past the end is damage)."""
+    start = f.read(8)
+    n = struct.unpack("<Q", start)[0] if len(start) == 8 else 0
+    return _header(start + f.read(n if n <= MAX_HEADER else 0))
+
+
 def _fields(head: bytes) -> dict:
     """Our metadata fields of a header (see the module doc), the token key unpacked to bytes."""
     try:
@@ -191,10 +199,7 @@ def read_info(path) -> dict:
         OSError: the file cannot be read.
     """
     with _open_regular(path) as f:
-        start = f.read(8)
-        data = start + f.read(struct.unpack("<Q", start)[0] if len(start) == 8
-                              and struct.unpack("<Q", start)[0] <= MAX_HEADER else 0)
-    head, _ = _header(data)
+        head, _ = _read_header(f)
     return _fields(head)
 
 
@@ -218,8 +223,7 @@ def write_entry(folder, name: str, cache: list, meta: dict[str, str]) -> int:
                  "qfilters_mlx_type": meta["type"], "qfilters_mlx_checksum": PENDING}
         save_prompt_cache(tmp, cache, extra)
         with open(tmp, "r+b") as f:
-            start = f.read(8)
-            head, n = _header(start + f.read(struct.unpack("<Q", start)[0]))
+            head, n = _read_header(f)
             at = head.find(PENDING.encode())
             if at < 0 or head.find(PENDING.encode(), at + 1) >= 0:
                 raise ValueError("the checksum field is not found once in the written header")
