@@ -45,6 +45,8 @@ Usage (resumable; ``--report`` rewrites the tables only)::
     python bench/bench_recall_beyond_window.py --context 2000 --depths 0.1,0.3,0.5,0.7 --budgets 256 \
         --arms heads,heads_norm,heads_window,heads_oracle \
         --out bench/results/recall_big_heads.json   # what the big heads keep, by distance
+    python bench/bench_recall_beyond_window.py ... --kept   # the same arguments: is the key in the cache,
+        # and for head groups in their big heads, at the answer (a table by distance to the key)
 
 Writes ``bench/results/recall_beyond_window.json`` and ``.md`` (or ``--out``).
 """
@@ -149,11 +151,21 @@ def needle_kept(model, tokenizer, a, results: dict, save) -> None:
                     hits.append(mask[:, t, list(needle)])
                 held[arm] = np.stack(hits)  # [layers, KV heads, key tokens]
                 kept[f"{arm}@{b}"] = float(held[arm].mean())
+                big = big_heads(m, b, len(layers), layers[0][0].shape[0])
+                if big.any():  # head groups: the share in their big heads alone
+                    kept[f"{arm}@{b} big"] = float(held[arm][big].mean())
             for arm in a.arms if "oracle" in a.arms else ():  # of the (layer, head, token) the oracle holds, the share this arm holds too
                 kept[f"{arm}@{b} of oracle"] = float((held[arm] & held["oracle"]).sum() / max(1, held["oracle"].sum()))
         cell["kept"] = kept
         save()
         print(f"{name} needle kept: " + ", ".join(f"{k} {v:.2f}" for k, v in kept.items()), flush=True)
+
+
+def big_heads(m, budget: int, n_layers: int, n_heads: int) -> np.ndarray:
+    """``[layers, KV heads]`` bool: the heads ``m`` gives more than ``budget`` tokens (none for
+    an arm of one budget)."""
+    return np.array([[x > budget for x in (b if isinstance(b, tuple) else (b,) * n_heads)]
+                     for b in (m.budget(i) for i in range(n_layers))])
 
 
 def arms_run(results: dict) -> list[str]:
@@ -178,6 +190,9 @@ def summary(results: dict) -> dict:
                 "median_key_nll": float(np.median([P[n][f"{arm}@{b}"]["key_nll"] for n in done])) if done else None,
                 "needle_kept": (float(np.mean([P[n]["kept"][f"{arm}@{b}"] for n in done]))
                                 if done and all(f"{arm}@{b}" in P[n].get("kept", {}) for n in done) else None),
+                "needle_kept_big": (float(np.mean([P[n]["kept"][f"{arm}@{b} big"] for n in done]))
+                                    if done and all(f"{arm}@{b} big" in P[n].get("kept", {}) for n in done)
+                                    else None),
                 "needle_kept_of_oracle": (
                     float(np.mean([P[n]["kept"][f"{arm}@{b} of oracle"] for n in done]))
                     if done and all(f"{arm}@{b} of oracle" in P[n].get("kept", {}) for n in done) else None)}
@@ -209,7 +224,8 @@ def markdown(results: dict, s: dict) -> str:
         for b in budgets:
             c = s["cells"][f"{arm}@{b}"]
             kept = ("" if c["needle_kept"] is None else f"; key kept {c['needle_kept']:.0%}" + (
-                "" if c["needle_kept_of_oracle"] is None else f" ({c['needle_kept_of_oracle']:.0%} of the oracle's)"))
+                "" if c["needle_kept_of_oracle"] is None else f" ({c['needle_kept_of_oracle']:.0%} of the oracle's)")
+                + ("" if c["needle_kept_big"] is None else f", in the big heads {c['needle_kept_big']:.0%}"))
             row.append(f"{c['recalled']}/{c['of']} [{c['low']:.2f}, {c['high']:.2f}]; "
                        f"NLL {c['median_key_nll']:.2f}{kept}")
         rows.append(row)
@@ -223,7 +239,37 @@ def markdown(results: dict, s: dict) -> str:
                          for b in budgets for arm in arms)
         rows.append([n, c["needle_distance"], "R" if c["full"]["recalled"] else "-", marks])
     lines += common.md_table(["prompt", "key distance", "full", "arms"], rows)
+    if "heads" in results:
+        lines += ["", *by_distance(results, s)]
     return "\n".join(lines) + "\n"
+
+
+def by_distance(results: dict, s: dict) -> list[str]:
+    """Lines of a table: per budget and arm, recalled / counted prompts whose key lies within the
+    big heads' budget of the prompt's end and beyond it, with the share of the key's tokens the big
+    heads hold (``--kept``) where it was measured."""
+    P, rows = results["prompts"], []
+    hits = [n for n, c in P.items() if c.get("full", {}).get("recalled")]
+    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in s["arms"] for b in results["settings"]["budgets"])]
+    for b in results["settings"]["budgets"]:
+        if str(b) not in results["heads"]:
+            continue
+        big = max(x for row in results["heads"][str(b)]["budgets"] for x in row)
+        bins = ([n for n in done if P[n]["needle_distance"] <= big], [n for n in done if P[n]["needle_distance"] > big])
+        for arm in s["arms"]:
+            cells = []
+            for names in bins:
+                k = sum(P[n][f"{arm}@{b}"]["recalled"] for n in names)
+                inbig = [P[n]["kept"][f"{arm}@{b} big"] for n in names if f"{arm}@{b} big" in P[n].get("kept", {})]
+                cells.append(f"{k}/{len(names)}" + (f"; key in the big heads {np.mean(inbig):.0%}"
+                                                     if names and len(inbig) == len(names) else ""))
+            rows.append([b, arm, *cells])
+        head = ["budget", "arm", f"key at most {big} tokens back (big heads' budget)", f"key more than {big} back"]
+    if not rows:
+        return []
+    return ["Recalled by the distance back to the key (prompts the full cache recalls; key in the big heads: "
+            "the share of (big layer-head, key token) held when the answer's first key token is predicted, "
+            "`--kept`):", "", *common.md_table(head, rows)]
 
 
 def main() -> int:
