@@ -21,7 +21,6 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 from helpers.cache_model import model_keep, model_scores
 from helpers.query_models import tiny_llama
 from qfilters_mlx import HeadBudgets, HeadGroupsKVCache, KVCacheBuilder, KVCacheConfig
-from qfilters_mlx.cache.head_group_build import check_heads
 from qfilters_mlx.cache.head_groups import GroupedKV
 from qfilters_mlx.cache.kv_cache import QuantizedQFiltersKVCache
 from qfilters_mlx.config import CompressOnce
@@ -308,8 +307,6 @@ def test_refusals():
         KVCacheBuilder.for_model(model, _config(method="full"), heads=hb)
     with pytest.raises(ValueError, match="compress-once"):
         KVCacheBuilder.for_model(model, _config(mode=CompressOnce(0.5), qfilters_recent=None), heads=hb)
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        check_heads(hb, _config(), [KV] * LAYERS, shard=object())
     with pytest.raises(ValueError, match="layers"):
         KVCacheBuilder.for_model(model, _config(), heads=HeadBudgets(BUDGETS[:1], RECENTS[:1]))
     with pytest.raises(ValueError, match="recent"):

@@ -192,3 +192,21 @@ def test_default_config_calibrates_once_for_all_ranks_and_matches_one_process(ru
     cos = (np.concatenate([d["default_filters"] for d in ranks], axis=1) * one["default_filters"]).sum(-1)
     assert cos.min() > 0.9999, cos.min()
     _same_as_one_process(one, ranks, "default")
+
+
+def test_head_groups_sliced_by_rank_match_one_process(runs):
+    """A whole-model ``HeadBudgets`` (budgets 24 / 16 / 8 rotated over the heads per layer): each
+    rank keeps its head's budget, the positions one process keeps at that (layer, head), and the
+    same tokens; the ranks' bytes add up to one process's."""
+    _, one, ranks = runs
+    want = info(one)["grouped_kept"]
+    assert len(want) == 30 * 3
+    assert {len(want[f"{i}/{h}"]) for i in range(30) for h in range(3)} == {24, 16, 8}
+    got = {}
+    for d in ranks:
+        got.update(info(d)["grouped_kept"])
+    assert got == want
+    for d in ranks:
+        np.testing.assert_array_equal(d["grouped_tokens"], one["grouped_tokens"])
+    assert sum(info(d)["grouped_bytes"] for d in ranks) == info(one)["grouped_bytes"]
+

@@ -183,3 +183,57 @@ def test_only_rank_0_prints(capsys):
         with only_rank0_prints(rank):
             print(f"from rank {rank}")
     assert capsys.readouterr().out == "from rank 0\n"
+
+
+def _kept_by_head(cache) -> dict:
+    """``{KV head: kept positions}`` of one layer's cache (head groups or one budget)."""
+    from qfilters_mlx.cache.head_groups import HeadGroupsKVCache
+
+    if not isinstance(cache, HeadGroupsKVCache):
+        pos = np.array(cache.kept_positions())[0]
+        return {h: list(pos[h]) for h in range(pos.shape[0])}
+    out = {}
+    for heads, pos in zip(cache.heads, cache.kept_positions()):
+        for j, h in enumerate(heads):
+            out[h] = list(np.array(pos)[0, j])
+    return out
+
+
+def test_head_groups_on_a_rank_are_the_whole_models_heads(stub_all_sum):
+    """Every rank of 3 holds its 2 KV heads of a whole-model ``HeadBudgets``: per head the same
+    budget, window and kept positions as one process fed the same keys, and the ranks' bytes
+    add up to the one process's."""
+    from qfilters_mlx import HeadBudgets
+
+    model = tiny()
+    whole = mx.random.normal((2, 6, 8))
+    budgets = ((24, 8, 8, 16, 8, 8), (8, 8, 20, 8, 8, 12))
+    recents = ((6, 3, 3, 5, 3, 2), (3, 3, 4, 3, 3, 6))
+    hb = HeadBudgets(budgets, recents)
+    cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_filters=whole)
+    one = KVCacheBuilder.for_model(model, cfg, heads=hb)
+    ranks = [KVCacheBuilder.for_model(sharded(model, r, 3), cfg, heads=hb) for r in range(3)]
+    for step in range(5):  # a 30-token prefill, then single tokens: several evictions
+        t = 30 if step == 0 else 1
+        for layer in range(2):
+            k, v = mx.random.normal((1, 6, t, 8)), mx.random.normal((1, 6, t, 8))
+            one[layer].update_and_fetch(k, v)
+            for r, caches in enumerate(ranks):
+                caches[layer].update_and_fetch(k[:, 2 * r:2 * r + 2], v[:, 2 * r:2 * r + 2])
+    for layer in range(2):
+        want = _kept_by_head(one[layer])
+        assert [len(want[h]) for h in range(6)] == list(budgets[layer])
+        for r, caches in enumerate(ranks):
+            got = _kept_by_head(caches[layer])
+            assert {2 * r + h: p for h, p in got.items()} == {h: want[h] for h in (2 * r, 2 * r + 1)}
+    assert sum(c.nbytes for caches in ranks for c in caches) == sum(c.nbytes for c in one)
+
+
+def test_head_groups_on_a_rank_need_the_whole_models_table(stub_all_sum):
+    from qfilters_mlx import HeadBudgets
+
+    m = sharded(tiny(), 1, 3)
+    cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_filters=mx.random.normal((2, 6, 8)))
+    local = HeadBudgets(((16, 8), (8, 8)), ((4, 3), (3, 3)))  # the rank's 2 heads alone
+    with pytest.raises(ValueError, match="2 heads, the model's layer has 6"):
+        KVCacheBuilder.for_model(m, cfg, heads=local)

@@ -224,15 +224,17 @@ class KVCacheBuilder:
         docs/head-groups.md) replaces the configuration's budget and windows per head; a layer whose heads differ in budget gets a
         :class:`~qfilters_mlx.cache.head_groups.HeadGroupsKVCache` (one cache per budget,
         each stored at its own size), a layer of one budget a plain cache at it. Streaming
-        mode only; not on a tensor-parallel rank, for layers whose K/V another layer reads,
-        or for batch generation (each refused with a ``ValueError``).
+        mode only; not for layers whose K/V another layer reads, or for batch generation
+        (each refused with a ``ValueError``).
 
         On one rank of a tensor-parallel model (``mlx_lm.utils.sharded_load`` /
         ``model.shard(group)`` under ``mlx.launch``) the caches hold the rank's KV heads
         (read from the sharded model by the shape probe), a filters file or array
         (whole model; also the calibrated one, found or made by all ranks together, written
         by rank 0) is sliced to them, and ``report.shard`` says which
-        (:mod:`qfilters_mlx.sharding`).
+        (:mod:`qfilters_mlx.sharding`). ``heads`` are the whole model's too and are sliced
+        the same way (``"calibrated"`` needs the ranking stored by a whole-model run), so a
+        rank holds the sum of its own heads' budgets.
 
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``; a build option of the wrong type.
@@ -263,7 +265,7 @@ class KVCacheBuilder:
         shard = shard_info(model, {s.n_kv_heads for s in budgeted})
         if heads is not None:
             heads = resolve_heads(heads, model, config, tokenizer, model_path)
-            check_heads(heads, config, [s.n_kv_heads for s in budgeted], shard=shard,
+            heads = check_heads(heads, config, [s.n_kv_heads for s in budgeted], shard=shard,
                         shared_kv=bool(shared_kv))
         filters, config, origin = _layer_filters(model, config, tokenizer, model_path)
 

@@ -39,16 +39,18 @@ def resolve_heads(heads, model, config, tokenizer=None, model_path=None):
     return head_budgets(ranking, config.qfilters_budget, config.qfilters_n_sink)
 
 
-def check_heads(heads, config, n_kv_heads: list[int], *, shard=None, shared_kv: bool = False) -> None:
-    """Raise before any cache is built when ``heads`` (a :class:`~qfilters_mlx.config.HeadBudgets`)
-    cannot be built for ``config`` over budgeted layers of ``n_kv_heads`` heads.
+def check_heads(heads, config, n_kv_heads: list[int], *, shard=None, shared_kv: bool = False):
+    """The ``heads`` (a :class:`~qfilters_mlx.config.HeadBudgets` of the whole model) that this
+    process's caches hold: ``heads`` itself, or on a tensor-parallel rank (``shard``, a
+    :class:`~qfilters_mlx.sharding.ShardInfo`) the rank's KV heads of every layer. Raises before
+    any cache is built when they cannot be built for ``config`` over budgeted layers of
+    ``n_kv_heads`` heads (the rank's heads when ``shard`` is given).
 
     Raises:
         TypeError: ``heads`` is not a ``HeadBudgets``.
-        ValueError: the tables do not fit the layers or ``n_sink``; ``method="full"``
-            (nothing evicted); the compress-once mode (head groups hold fixed budgets);
-            a tensor-parallel rank (``shard``); layers whose K/V another layer reads
-            (``shared_kv``).
+        ValueError: the tables do not fit the layers (the whole model's heads on a rank) or
+            ``n_sink``; ``method="full"`` (nothing evicted); the compress-once mode (head
+            groups hold fixed budgets); layers whose K/V another layer reads (``shared_kv``).
     """
     from qfilters_mlx.config import HeadBudgets
 
@@ -60,13 +62,17 @@ def check_heads(heads, config, n_kv_heads: list[int], *, shard=None, shared_kv: 
     if config.compress_once:
         raise ValueError("heads=: head groups hold fixed per-head budgets (the streaming mode); "
                          "the compress-once mode sets its budget by ratio")
-    if shard is not None:
-        raise ValueError("heads=: head groups are not sliced across tensor-parallel ranks; "
-                         "build them on an unsharded model")
     if shared_kv:
         raise ValueError("heads=: this model's layers read another layer's K/V, which head "
                          "groups do not return as one array")
-    heads.check(len(n_kv_heads), n_kv_heads, config.qfilters_n_sink)
+    if shard is None:
+        heads.check(len(n_kv_heads), n_kv_heads, config.qfilters_n_sink)
+        return heads
+    if set(n_kv_heads) != {shard.local_heads}:
+        raise ValueError(f"heads=: the budgeted layers hold {sorted(set(n_kv_heads))} KV heads on this rank, "
+                         f"expected {shard.local_heads} ({shard.summary()})")
+    heads.check(len(n_kv_heads), [shard.n_kv_heads] * len(n_kv_heads), config.qfilters_n_sink)
+    return heads.heads_slice(shard.start, shard.local_heads)
 
 
 def layer_cache(config, groups, layer_idx: int, filters, new_cache):

@@ -87,6 +87,19 @@ class HeadBudgets:
         """Tokens held per batch row over all layers and heads: the sum of the budgets."""
         return sum(sum(row) for row in self.budgets)
 
+    def heads_slice(self, start: int, count: int) -> HeadBudgets:
+        """KV heads ``start .. start + count - 1`` of every layer (a tensor-parallel rank's heads,
+        :func:`qfilters_mlx.sharding.head_range`).
+
+        Raises:
+            ValueError: the range is empty or not inside every layer's heads.
+        """
+        if count < 1 or start < 0 or any(start + count > len(row) for row in self.budgets):
+            raise ValueError(f"HeadBudgets: heads {start}..{start + count - 1} are not inside every layer's "
+                             f"{sorted({len(row) for row in self.budgets})} heads")
+        return HeadBudgets(tuple(row[start:start + count] for row in self.budgets),
+                           tuple(row[start:start + count] for row in self.recents))
+
     def groups(self, layer: int) -> tuple[HeadGroup, ...]:
         """Layer ``layer``'s groups: heads of equal budget, in order of their first head."""
         budgets, recents = self.budgets[layer], self.recents[layer]
