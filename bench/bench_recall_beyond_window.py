@@ -42,8 +42,9 @@ Usage (resumable; ``--report`` rewrites the tables only)::
         --arms streaming_llm,default,heads --out bench/results/recall_beyond_window_long.json
     python bench/bench_recall_beyond_window.py --model qwen2.5-coder-0.5b \
         --out bench/results/recall_beyond_window_qwen.json   # another registered model
-    python bench/bench_recall_beyond_window.py --context 2000 --depths 0.1,0.3,0.5,0.7 --budgets 256 \
-        --arms heads,heads_norm,heads_window,heads_oracle \
+    python bench/bench_recall_beyond_window.py --context 2000 --depths 0.1,0.3,0.5,0.7 \
+        --offsets 200000,230000 --budgets 256 \
+        --arms streaming_llm,default,oracle,heads,heads_norm,heads_window,heads_oracle \
         --out bench/results/recall_big_heads.json   # what the big heads keep, by distance
     python bench/bench_recall_beyond_window.py ... --kept   # the same arguments: is the key in the cache,
         # and for head groups in their big heads, at the answer (a table by distance to the key)
@@ -263,8 +264,8 @@ def by_distance(results: dict, s: dict) -> list[str]:
                 inbig = [P[n]["kept"][f"{arm}@{b} big"] for n in names if f"{arm}@{b} big" in P[n].get("kept", {})]
                 cells.append(f"{k}/{len(names)}" + (f"; key in the big heads {np.mean(inbig):.0%}"
                                                      if names and len(inbig) == len(names) else ""))
-            rows.append([b, arm, *cells])
-        head = ["budget", "arm", f"key at most {big} tokens back (big heads' budget)", f"key more than {big} back"]
+            rows.append([b, big, arm, *cells])
+    head = ["budget", "big heads' budget", "arm", "key at most the big heads' budget back", "key further back"]
     if not rows:
         return []
     return ["Recalled by the distance back to the key (prompts the full cache recalls; key in the big heads: "

@@ -300,6 +300,35 @@ def test_kv_bits_quantizes_every_group():
     np.testing.assert_allclose(np.array(mx.stack(quant)), np.array(mx.stack(dense)), atol=0.05)
 
 
+def test_heads_slice_is_numpy_slicing_of_every_layer():
+    hb = HeadBudgets(BUDGETS, RECENTS)
+    b, r = np.array(BUDGETS), np.array(RECENTS)
+    for start in range(KV):
+        for n in range(1, KV - start + 1):
+            part = hb.heads_slice(start, n)
+            assert np.array_equal(np.array(part.budgets), b[:, start:start + n])
+            assert np.array_equal(np.array(part.recents), r[:, start:start + n])
+    for start, n in ((0, 0), (-1, 2), (2, 2), (0, KV + 1)):
+        with pytest.raises(ValueError, match="not inside"):
+            hb.heads_slice(start, n)
+
+
+def test_calibrated_heads_refused_by_the_configuration_measure_nothing(monkeypatch):
+    """A configuration that cannot hold head groups is refused before the ranking is looked for
+    or measured (no file written, no passes run)."""
+    from qfilters_mlx.filters import head_store
+
+    def never(*a, **k):
+        raise AssertionError("the ranking was resolved before the configuration was checked")
+
+    monkeypatch.setattr(head_store, "resolve_head_ranking", never)
+    model = _model()
+    with pytest.raises(ValueError, match="evicts nothing"):
+        KVCacheBuilder.for_model(model, _config(method="full"), heads="calibrated")
+    with pytest.raises(ValueError, match="compress-once"):
+        KVCacheBuilder.for_model(model, _config(mode=CompressOnce(0.5), qfilters_recent=None), heads="calibrated")
+
+
 def test_refusals():
     model = _model()
     hb = HeadBudgets(BUDGETS, RECENTS)

@@ -8,10 +8,14 @@ process's; ``qfilters-mlx calibrate`` under mlx.launch writes the single-process
 (same identity, filters equal to float32 rounding: the ranks sum ``o_proj`` /
 ``down_proj`` partial products in another order than one matmul, so queries differ in
 the last bits); ``qfilters-mlx generate`` under mlx.launch prints on rank 0 only, with
-per-rank and total KV bytes. Skipped only where mlx.launch cannot start the ranks.
-Runtime: 5.3 min measured on the shared 2-core Linux box with other jobs running (load
-average ~15): 3 model loads per rank, ~25 sharded forward passes of ~60 ring all_sums each,
-and the one-process reference run.
+per-rank and total KV bytes; head groups (a whole-model ``HeadBudgets``, each rank building
+its head's rows) keep per (layer, KV head) the positions one process keeps, with the same
+tokens. With one KV head per rank every rank layer is a one-budget cache; several heads per
+rank (a ``HeadGroupsKVCache`` on a rank) are checked without processes in
+tests/models/test_sharding.py. Skipped only where mlx.launch cannot start the ranks.
+Runtime: 10.3 min measured on the shared 2-core Linux box with two benchmarks running
+(load average ~4): 3 model loads per rank, ~30 sharded forward passes of ~60 ring all_sums
+each, and the one-process reference run.
 """
 
 import json
@@ -209,4 +213,3 @@ def test_head_groups_sliced_by_rank_match_one_process(runs):
     for d in ranks:
         np.testing.assert_array_equal(d["grouped_tokens"], one["grouped_tokens"])
     assert sum(info(d)["grouped_bytes"] for d in ranks) == info(one)["grouped_bytes"]
-

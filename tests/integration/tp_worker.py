@@ -115,7 +115,7 @@ def main(out: Path, model_path: str) -> None:
     grouped_kept = {}
     for i, c in enumerate(grouped):
         parts = zip(c.heads, c.kept_positions()) if isinstance(c, HeadGroupsKVCache) else [
-            ((0,), c.kept_positions())]
+            (range(c.kept_positions().shape[1]), c.kept_positions())]
         for hs, pos in parts:
             for j, h in enumerate(hs):
                 grouped_kept[f"{i}/{start + h}"] = [int(x) for x in np.array(pos)[0, j]]

@@ -235,5 +235,28 @@ def test_head_groups_on_a_rank_need_the_whole_models_table(stub_all_sum):
     m = sharded(tiny(), 1, 3)
     cfg = KVCacheConfig(qfilters_budget=8, qfilters_n_sink=1, qfilters_filters=mx.random.normal((2, 6, 8)))
     local = HeadBudgets(((16, 8), (8, 8)), ((4, 3), (3, 3)))  # the rank's 2 heads alone
-    with pytest.raises(ValueError, match="2 heads, the model's layer has 6"):
+    with pytest.raises(ValueError, match=r"2 heads, the model's layer has 6.*rank 1 of 3.*whole model's table of 6"):
         KVCacheBuilder.for_model(m, cfg, heads=local)
+
+
+def test_calibrated_heads_on_a_rank_are_the_rules_budgets_sliced(stub_all_sum, monkeypatch):
+    """``heads="calibrated"`` on a rank: the whole model's ranking (as found for the model's
+    identity; stubbed here) through the rule, then the rank's heads."""
+    from qfilters_mlx.cache.head_groups import HeadGroupsKVCache
+    from qfilters_mlx.filters import head_store
+    from qfilters_mlx.filters.head_budgets import head_budgets
+
+    ranking = np.random.default_rng(1).random((8, 6)).astype(np.float32)  # 8 big heads of 48
+    monkeypatch.setattr(head_store, "resolve_head_ranking",
+                        lambda *a, **k: head_store.ResolvedRanking(ranking, "stub"))
+    cfg = KVCacheConfig(qfilters_budget=16, qfilters_n_sink=1, qfilters_filters=mx.random.normal((8, 6, 8)))
+    want = head_budgets(ranking, 16, 1)
+    assert len({b for row in want.budgets for b in row}) > 1  # the rule made big heads
+    for r in range(3):
+        caches = KVCacheBuilder.for_model(sharded(tiny(layers=8), r, 3), cfg, heads="calibrated")
+        for i, c in enumerate(caches):
+            rows = want.budgets[i][2 * r:2 * r + 2]
+            got = ([c.caches[j].config.qfilters_budget for j, hs in enumerate(c.heads) for _ in hs]
+                   if isinstance(c, HeadGroupsKVCache) else [c.config.qfilters_budget] * 2)
+            order = ([h for hs in c.heads for h in hs] if isinstance(c, HeadGroupsKVCache) else [0, 1])
+            assert [b for _, b in sorted(zip(order, got))] == list(rows)

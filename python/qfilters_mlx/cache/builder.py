@@ -13,7 +13,7 @@ from __future__ import annotations
 import types
 
 from qfilters_mlx.cache.build_report import BudgetedCaches, BuildReport, describe, layer_names
-from qfilters_mlx.cache.head_group_build import check_heads, layer_cache, resolve_heads
+from qfilters_mlx.cache.head_group_build import check_heads, check_heads_use, layer_cache, resolve_heads
 from qfilters_mlx.cache.kv_cache import QFiltersKVCache, build_cache
 from qfilters_mlx.config import (BuildOptions, KVCacheConfig, merge_options, per_layer_table,
                                  with_stored_windows)
@@ -238,8 +238,9 @@ class KVCacheBuilder:
 
         Raises:
             TypeError: ``config`` is not a ``KVCacheConfig``; a build option of the wrong type.
-            ValueError: a build option out of range (named); ``heads`` that do not fit (see
-                :func:`~qfilters_mlx.cache.head_group_build.check_heads`); layers use multi-head latent attention (MLA, named with
+            ValueError: a build option out of range (named); ``heads`` that cannot be used
+                or do not fit (see :func:`~qfilters_mlx.cache.head_group_build.check_heads_use`
+                and ``check_heads``); layers use multi-head latent attention (MLA, named with
                 the layers); no layer has a plain attention cache; ``config.head_dim``
                 differs from a layer's key width (both numbers named); the model
                 uses its caches beyond mlx-lm's cache protocol; the filters
@@ -264,9 +265,9 @@ class KVCacheBuilder:
         shared_kv = _trial_forward(model, budgeted)
         shard = shard_info(model, {s.n_kv_heads for s in budgeted})
         if heads is not None:
+            check_heads_use(heads, config, shared_kv=bool(shared_kv))  # before a ranking is measured
             heads = resolve_heads(heads, model, config, tokenizer, model_path)
-            heads = check_heads(heads, config, [s.n_kv_heads for s in budgeted], shard=shard,
-                        shared_kv=bool(shared_kv))
+            heads = check_heads(heads, config, [s.n_kv_heads for s in budgeted], shard=shard)
         filters, config, origin = _layer_filters(model, config, tokenizer, model_path)
 
         def build():

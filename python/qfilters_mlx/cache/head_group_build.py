@@ -39,23 +39,19 @@ def resolve_heads(heads, model, config, tokenizer=None, model_path=None):
     return head_budgets(ranking, config.qfilters_budget, config.qfilters_n_sink)
 
 
-def check_heads(heads, config, n_kv_heads: list[int], *, shard=None, shared_kv: bool = False):
-    """The ``heads`` (a :class:`~qfilters_mlx.config.HeadBudgets` of the whole model) that this
-    process's caches hold: ``heads`` itself, or on a tensor-parallel rank (``shard``, a
-    :class:`~qfilters_mlx.sharding.ShardInfo`) the rank's KV heads of every layer. Raises before
-    any cache is built when they cannot be built for ``config`` over budgeted layers of
-    ``n_kv_heads`` heads (the rank's heads when ``shard`` is given).
+def check_heads_use(heads, config, *, shared_kv: bool = False) -> None:
+    """Raise, before a ranking is measured or any cache is built, when head groups cannot be
+    used with ``config`` at all.
 
     Raises:
-        TypeError: ``heads`` is not a ``HeadBudgets``.
-        ValueError: the tables do not fit the layers (the whole model's heads on a rank) or
-            ``n_sink``; ``method="full"`` (nothing evicted); the compress-once mode (head
-            groups hold fixed budgets); layers whose K/V another layer reads (``shared_kv``).
+        TypeError: ``heads`` is neither a :class:`~qfilters_mlx.config.HeadBudgets` nor a string.
+        ValueError: ``method="full"`` (nothing evicted); the compress-once mode (head groups
+            hold fixed budgets); layers whose K/V another layer reads (``shared_kv``).
     """
     from qfilters_mlx.config import HeadBudgets
 
-    if not isinstance(heads, HeadBudgets):
-        raise TypeError(f"heads must be a HeadBudgets, got {type(heads).__name__}")
+    if not isinstance(heads, (HeadBudgets, str)):
+        raise TypeError(f"heads must be a HeadBudgets or {CALIBRATED!r}, got {type(heads).__name__}")
     if not config.scorer.evicts:
         raise ValueError(f"heads=: method {config.method!r} evicts nothing; head budgets need an "
                          "evicting method")
@@ -65,13 +61,29 @@ def check_heads(heads, config, n_kv_heads: list[int], *, shard=None, shared_kv: 
     if shared_kv:
         raise ValueError("heads=: this model's layers read another layer's K/V, which head "
                          "groups do not return as one array")
+
+
+def check_heads(heads, config, n_kv_heads: list[int], *, shard=None):
+    """The part of ``heads`` (a :class:`~qfilters_mlx.config.HeadBudgets` of the whole model)
+    that this process's caches hold: ``heads`` itself, or on a tensor-parallel rank (``shard``, a
+    :class:`~qfilters_mlx.sharding.ShardInfo`) the rank's KV heads of every layer
+    (:meth:`~qfilters_mlx.config.HeadBudgets.heads_slice`). Raises before any cache is built when
+    the tables do not fit budgeted layers of ``n_kv_heads`` heads (the whole model's,
+    ``shard.n_kv_heads``, on a rank) or ``config.qfilters_n_sink``.
+
+    Raises:
+        ValueError: the tables do not fit (on a rank the message names the rank's heads and asks
+            for the whole model's table).
+    """
     if shard is None:
         heads.check(len(n_kv_heads), n_kv_heads, config.qfilters_n_sink)
         return heads
-    if set(n_kv_heads) != {shard.local_heads}:
-        raise ValueError(f"heads=: the budgeted layers hold {sorted(set(n_kv_heads))} KV heads on this rank, "
-                         f"expected {shard.local_heads} ({shard.summary()})")
-    heads.check(len(n_kv_heads), [shard.n_kv_heads] * len(n_kv_heads), config.qfilters_n_sink)
+    try:
+        heads.check(len(n_kv_heads), [shard.n_kv_heads] * len(n_kv_heads), config.qfilters_n_sink)
+    except ValueError as err:
+        raise ValueError(f"heads=: {err}; on a tensor-parallel rank ({shard.summary()}) give the "
+                         f"whole model's table of {shard.n_kv_heads} KV heads per layer, which "
+                         "each rank slices to its own") from err
     return heads.heads_slice(shard.start, shard.local_heads)
 
 
