@@ -66,7 +66,7 @@ import numpy as np
 from mlx_lm import load
 from scipy.stats import binomtest
 
-from sim_arms import BIG_HEAD_RULES, Arms, heads_note
+from sim_arms import BIG_HEAD_RULES, Arms, big_head_rows, heads_note
 from qfilters_mlx.assets.models import get_model
 from qfilters_mlx.assets.prepare_model import prepare_model
 from qfilters_mlx.assets.prompts import source_text
@@ -152,7 +152,7 @@ def needle_kept(model, tokenizer, a, results: dict, save) -> None:
                     hits.append(mask[:, t, list(needle)])
                 held[arm] = np.stack(hits)  # [layers, KV heads, key tokens]
                 kept[f"{arm}@{b}"] = float(held[arm].mean())
-                big = big_heads(m, b, len(layers), layers[0][0].shape[0])
+                big = np.array(big_head_rows(m, b, len(layers), layers[0][0].shape[0]))
                 if big.any():  # head groups: the share in their big heads alone
                     kept[f"{arm}@{b} big"] = float(held[arm][big].mean())
             for arm in a.arms if "oracle" in a.arms else ():  # of the (layer, head, token) the oracle holds, the share this arm holds too
@@ -162,16 +162,16 @@ def needle_kept(model, tokenizer, a, results: dict, save) -> None:
         print(f"{name} needle kept: " + ", ".join(f"{k} {v:.2f}" for k, v in kept.items()), flush=True)
 
 
-def big_heads(m, budget: int, n_layers: int, n_heads: int) -> np.ndarray:
-    """``[layers, KV heads]`` bool: the heads ``m`` gives more than ``budget`` tokens (none for
-    an arm of one budget)."""
-    return np.array([[x > budget for x in (b if isinstance(b, tuple) else (b,) * n_heads)]
-                     for b in (m.budget(i) for i in range(n_layers))])
-
-
 def arms_run(results: dict) -> list[str]:
     """The arms of :data:`ARMS` with a cell on some prompt."""
     return [arm for arm in ARMS if any(k.startswith(f"{arm}@") for c in results["prompts"].values() for k in c)]
+
+
+def counted(results: dict, arms: list[str]) -> list[str]:
+    """The prompts the full cache recalls on which every arm of ``arms`` has run at every budget."""
+    P, budgets = results["prompts"], results["settings"]["budgets"]
+    return [n for n, c in P.items() if c.get("full", {}).get("recalled")
+            and all(f"{arm}@{b}" in c for arm in arms for b in budgets)]
 
 
 def summary(results: dict) -> dict:
@@ -180,7 +180,7 @@ def summary(results: dict) -> dict:
     P = results["prompts"]
     budgets, arms = results["settings"]["budgets"], arms_run(results)
     hits = [n for n, c in P.items() if c.get("full", {}).get("recalled")]
-    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in arms for b in budgets)]
+    done = counted(results, arms)
     out = {"prompts": len(P), "full_recalled": len(hits), "counted": len(done), "arms": arms, "cells": {}}
     for b in budgets:
         for arm in arms:
@@ -250,8 +250,7 @@ def by_distance(results: dict, s: dict) -> list[str]:
     big heads' budget of the prompt's end and beyond it, with the share of the key's tokens the big
     heads hold (``--kept``) where it was measured."""
     P, rows = results["prompts"], []
-    hits = [n for n, c in P.items() if c.get("full", {}).get("recalled")]
-    done = [n for n in hits if all(f"{arm}@{b}" in P[n] for arm in s["arms"] for b in results["settings"]["budgets"])]
+    done = counted(results, s["arms"])
     for b in results["settings"]["budgets"]:
         if str(b) not in results["heads"]:
             continue

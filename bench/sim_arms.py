@@ -24,6 +24,13 @@ after they leave the window (``heads_oracle``: :func:`attention_received`, a cei
 the future)."""
 
 
+def big_head_rows(arm: MaskedArm, budget: int, n_layers: int, n_heads: int) -> list[list[bool]]:
+    """``[layers][KV heads]``: the heads ``arm`` gives more than ``budget`` tokens (none for an
+    arm of one budget)."""
+    return [[x > budget for x in (b if isinstance(b, tuple) else (b,) * n_heads)]
+            for b in (arm.budget(i) for i in range(n_layers))]
+
+
 def default_filters(model, tokenizer):
     """The filter ``KVCacheBuilder.for_model`` makes on first use (a fresh filters home, so no
     stored file is found): ``(filters [L, H_kv, D], origin)``."""
@@ -92,7 +99,7 @@ class Arms:
         from qfilters_mlx.evaluation.oracle import attention_received
 
         base = self.heads_arm(budget)
-        big = [[b > budget for b in row] for row in base.budgets]
+        big = big_head_rows(base, budget, len(base.budgets), len(base.budgets[0]))
         if arm == "heads_window":
             recents = tuple(tuple(b - N_SINK - 1 if g else r for b, r, g in zip(bs, rs, gs))
                             for bs, rs, gs in zip(base.budgets, base.recents, big))
